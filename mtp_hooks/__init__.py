@@ -1,0 +1,12 @@
+"""Train Multi-Token Prediction layers of Megatron-Core models inside RL loops, with hooks.
+
+``attach(model)`` makes a GPTModel with MTP layers return main-head logits while its MTP
+layers keep training on the same micro-batch; ``remove()`` restores stock mcore exactly.
+"""
+
+from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.hooks import MTPHooks, attach, attached, hooks_of
+from mtp_hooks.targets import mtp_targets
+
+__all__ = ["MTPHooks", "MTPHooksError", "attach", "attached", "hooks_of", "mtp_targets"]
+__version__ = "0.1.0"

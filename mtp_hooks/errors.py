@@ -1,0 +1,26 @@
+"""The one exception type of ``mtp_hooks``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MTPHooksError(ValueError):
+    """Raised for every bad input or unsupported combination.
+
+    Messages name the argument, then what was expected and what came, on separate lines.
+    """
+
+
+def bad_argument(name: str, expected: str, received: Any) -> MTPHooksError:
+    """Build an ``MTPHooksError`` for argument ``name``."""
+    return MTPHooksError(f"{name}: bad value\n  expected: {expected}\n  received: {received}")
+
+
+def describe(value: Any) -> str:
+    """Short description of a value for error messages (tensors by dtype and shape)."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"tensor of dtype {dtype} and shape {tuple(shape)}"
+    return repr(value)

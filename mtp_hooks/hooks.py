@@ -1,0 +1,469 @@
+"""Attach MTP training to an mcore language model with torch hooks and wrapt proxies.
+
+No class or instance method is replaced. Per forward of the language model:
+
+* a forward pre-hook takes ``labels`` / ``loss_mask`` out of the call (or from the open
+  ``micro_batch``), so mcore returns logits, and installs a ``ConfigView`` on the model so mcore's
+  own MTP loss stays off. For an inference micro-batch it also sets ``mtp_process = False``, so
+  the MTP block does not run at all;
+* a forward pre-hook on ``output_layer`` receives the MTP block's concatenated output
+  ``[(1+N)s, b, h]``, computes each depth's loss on its chunk, attaches the losses to chunk 0 with
+  mcore's ``MTPLossAutoScaler`` and hands chunk 0 on, so the main logits are mcore's own;
+* with ``detach_encoder``, a pre-hook on each MTP layer swaps its ``embedding`` for a
+  ``DetachedEmbedding`` proxy and detaches the depth-0 trunk hidden states;
+* an ``always_call`` forward hook restores every swapped attribute, also when forward raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import weakref
+from typing import Any, Iterator, Literal, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from mtp_hooks import _mcore
+from mtp_hooks.errors import MTPHooksError, bad_argument, describe
+from mtp_hooks.loss import dense_cross_entropy, lean_linear_cross_entropy
+from mtp_hooks.metrics import MTPMetrics
+from mtp_hooks.proxies import ConfigView, DetachedEmbedding
+from mtp_hooks.targets import mtp_targets
+
+LossImpl = Literal["lean", "dense"]
+_STATE_KEY = "_mtp_hooks"
+_LOGITS_CHUNK_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass
+class _MicroBatch:
+    """Targets of one training micro-batch, as the user gave them."""
+
+    labels: Tensor
+    loss_mask: Optional[Tensor]
+    used: bool = False
+
+
+@dataclasses.dataclass
+class _Forward:
+    """State of the forward in flight; lives from the model's pre-hook to its post-hook."""
+
+    targets: Optional[_MicroBatch]
+    packed_seq_params: Any
+    restore: list[tuple[nn.Module, str, Any]]
+    mtp_layer_calls: int = 0
+    attached: bool = False
+    in_own_head_call: bool = False
+
+    @property
+    def train(self) -> bool:
+        return self.targets is not None
+
+
+def _validate_targets(labels: Any, loss_mask: Any) -> _MicroBatch:
+    if not isinstance(labels, Tensor) or labels.dim() != 2:
+        raise bad_argument("labels", "a [b, s] integer tensor", describe(labels))
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise bad_argument("labels", "an integer dtype (token ids)", describe(labels))
+    if loss_mask is not None:
+        if not isinstance(loss_mask, Tensor) or loss_mask.shape != labels.shape:
+            raise bad_argument("loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask))
+        if loss_mask.dtype != torch.bool and not bool(((loss_mask == 0) | (loss_mask == 1)).all()):
+            raise bad_argument("loss_mask", "values in {0, 1}", f"{describe(loss_mask)} with other values")
+    return _MicroBatch(labels, loss_mask)
+
+
+def _find_language_model(model: nn.Module) -> nn.Module:
+    """The mcore language model inside ``model`` (itself, ``.module`` chains, ``.language_model``)."""
+    current: Any = model
+    for _ in range(16):
+        if isinstance(current, LanguageModule) and hasattr(current, "mtp_process"):
+            return current
+        current = getattr(current, "module", None) or getattr(current, "language_model", None)
+        if current is None:
+            break
+    raise bad_argument(
+        "model",
+        "an mcore GPTModel, a wrapper exposing one as .module (DDP, Float16Module), or a model with .language_model",
+        type(model).__name__,
+    )
+
+
+def _auto_chunk_size(vocab_shard: int) -> int:
+    """Tokens per lean-loss chunk: a power of two keeping one chunk's fp32 logits near 256 MiB."""
+    tokens = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
+    return max(16, 2 ** int(math.log2(max(tokens, 1))))
+
+
+class MTPHooks:
+    """Handle and state of ``mtp_hooks`` on one language model. Create it with ``attach``.
+
+    Use ``micro_batch`` to give the labels of a training micro-batch, ``metrics`` to read the
+    per-depth MTP loss and acceptance, and ``remove`` (or ``with``) to restore stock mcore.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        detach_encoder: bool,
+        detach_head: bool,
+        loss_scale: Optional[float],
+        loss_impl: LossImpl,
+        chunk_size: Optional[int],
+    ) -> None:
+        self._model_ref = weakref.ref(model)
+        self.detach_encoder = detach_encoder
+        self.detach_head = detach_head
+        self.loss_impl = loss_impl
+        self.chunk_size = chunk_size
+        self._loss_scale = loss_scale
+        self.depth: int = model.config.mtp_num_layers
+        self._metrics = MTPMetrics(self.depth)
+        self._pending: Optional[_MicroBatch] = None
+        self._forward: Optional[_Forward] = None
+        self._calls = 0
+        self._handles: list[RemovableHandle] = []
+        parameters = list(inspect.signature(type(model).forward).parameters)[1:]
+        self._positions = {name: i for i, name in enumerate(parameters)}
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def model(self) -> nn.Module:
+        """The language model the hooks sit on."""
+        model = self._model_ref()
+        if model is None:
+            raise MTPHooksError("the model these hooks were attached to no longer exists")
+        return model
+
+    @property
+    def loss_scale(self) -> float:
+        """Total MTP loss weight (split evenly over depths), as used by the next forward."""
+        scale = self._loss_scale
+        return self.model.config.mtp_loss_scaling_factor if scale is None else scale
+
+    @contextlib.contextmanager
+    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> Iterator["MTPHooks"]:
+        """Make the next forward a training micro-batch with these ``[b, s]`` targets.
+
+        ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
+        them. The forward trains MTP only if gradients are enabled; otherwise it is an inference
+        micro-batch. One forward per ``micro_batch``: a second forward inside it raises.
+        On exit (also by exception) the targets are dropped.
+        """
+        if self._pending is not None:
+            raise bad_argument("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
+        self._pending = _validate_targets(labels, loss_mask)
+        try:
+            yield self
+        finally:
+            self._pending = None
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
+        argmax is the label) and ``mtp_k/tokens``, over the training micro-batches since the last
+        reset. Local to this rank (identical across TP ranks). Empty if nothing was trained."""
+        return self._metrics.read(reset)
+
+    def remove(self) -> None:
+        """Remove every hook and restore every swapped attribute. Calling it twice is harmless."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._forward is not None:
+            self._restore(self._forward)
+            self._forward = None
+        self._pending = None
+        model = self._model_ref()
+        if model is not None and model.__dict__.get(_STATE_KEY) is self:
+            del model.__dict__[_STATE_KEY]
+
+    def __enter__(self) -> "MTPHooks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    # ---------------------------------------------------------------- installation
+    def _install(self, model: nn.Module) -> None:
+        self._handles.append(model.register_forward_pre_hook(self._on_model_pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._on_model_post, with_kwargs=True, always_call=True))
+        if model.post_process:
+            self._handles.append(model.output_layer.register_forward_pre_hook(self._on_output_layer_pre, with_kwargs=True))
+        if self.detach_encoder and model.mtp_process:
+            for layer in model.mtp.layers:
+                self._handles.append(layer.register_forward_pre_hook(self._on_mtp_layer_pre, with_kwargs=True))
+
+    # ------------------------------------------------------------------- the hooks
+    def _on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self._calls += 1
+        if self._calls > 1:
+            raise MTPHooksError("model: a forward of this model started inside another forward of it; nested forwards are not supported")
+        args, labels = self._take_argument(args, kwargs, "labels")
+        args, loss_mask = self._take_argument(args, kwargs, "loss_mask")
+        targets = self._targets_for_call(labels, loss_mask)
+        input_ids = self._argument(args, kwargs, "input_ids")
+        if targets is not None and isinstance(input_ids, Tensor) and targets.labels.shape != input_ids.shape:
+            raise bad_argument("labels", f"shape of input_ids {tuple(input_ids.shape)}", describe(targets.labels))
+        train = targets is not None and torch.is_grad_enabled() and model.post_process
+        state = _Forward(
+            targets=targets if train else None,
+            packed_seq_params=self._argument(args, kwargs, "packed_seq_params"),
+            restore=[(model, "config", model.config)],
+        )
+        if not train and model.mtp_process:
+            state.restore.append((model, "mtp_process", model.mtp_process))
+            model.mtp_process = False
+        model.config = ConfigView(model.config)
+        self._forward = state
+        return args, kwargs
+
+    def _on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        self._calls -= 1
+        if self._calls > 0:
+            return None
+        state, self._forward = self._forward, None
+        if state is None:
+            return None
+        self._restore(state)
+        if output is not None and state.train and not state.attached:
+            raise AssertionError(
+                "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
+                "received the MTP block's output (a path that bypasses module hooks?)"
+            )
+        return None
+
+    def _on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+        state = self._forward
+        if state is None or not state.train or state.attached or state.in_own_head_call:
+            return None
+        hidden = args[0]
+        chunks = torch.chunk(hidden, 1 + self.depth, dim=0)
+        if len(chunks) != 1 + self.depth or chunks[-1].shape != chunks[0].shape:
+            raise AssertionError(
+                f"mtp_hooks: output layer input {tuple(hidden.shape)} does not split into 1 + {self.depth} equal chunks"
+            )
+        weight = kwargs.get("weight")
+        if weight is None:
+            weight = layer.weight
+        main = self._attach_mtp_losses(layer, chunks, weight.detach() if self.detach_head else weight, state)
+        state.attached = True
+        return (main, *args[1:]), kwargs
+
+    def _on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+        state = self._forward
+        if state is None or not state.train:
+            return None
+        if "embedding" in kwargs and kwargs["embedding"] is not None:
+            kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
+        if state.mtp_layer_calls == 0:
+            # Depth 0 only: the block's own chunk 0 (the main head's input) stays attached.
+            kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
+        state.mtp_layer_calls += 1
+        return args, kwargs
+
+    # ---------------------------------------------------------------- loss wiring
+    def _attach_mtp_losses(self, layer: nn.Module, chunks: tuple[Tensor, ...], weight: Tensor, state: _Forward) -> Tensor:
+        model = self.model
+        assert state.targets is not None
+        depth_scale = self.loss_scale / self.depth
+        per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
+        targets = mtp_targets(
+            state.targets.labels,
+            state.targets.loss_mask,
+            self.depth,
+            packed_seq_params=state.packed_seq_params,
+            cp_group=_mcore.cp_group_of(model),
+        )
+        main = chunks[0]
+        for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
+            tokens = mask_k.sum()
+            coef = depth_scale if per_token else depth_scale / tokens.clamp(min=1)
+            objective, ce_sum, correct = self._depth_loss(layer, chunk, weight, labels_k, mask_k, coef, state)
+            main = _mcore.MTPLossAutoScaler.apply(main, objective)
+            self._metrics.add(k, ce_sum, tokens, correct)
+        return main
+
+    def _depth_loss(
+        self, layer: nn.Module, chunk: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, coef: Any, state: _Forward
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(objective carrying grad, detached masked CE sum, masked correct count) of one depth."""
+        tp_group = _mcore.tp_group_of(layer)
+        labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
+        if self.loss_impl == "dense":
+            state.in_own_head_call = True
+            try:
+                logits, _bias = layer(chunk, weight=weight, runtime_gather_output=False)
+            finally:
+                state.in_own_head_call = False
+            ce, correct = dense_cross_entropy(logits, labels_sb, tp_group)
+            objective = (ce * mask_sb).sum() * coef
+            return objective, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
+        hidden = self._head_input(layer, chunk, tp_group)
+        chunk_size = self.chunk_size or _auto_chunk_size(weight.shape[0])
+        mask_flat = mask_sb.reshape(-1)
+        objective, ce, correct = lean_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            weight,
+            labels_sb.reshape(-1),
+            mask_flat * coef,
+            tp_group,
+            chunk_size,
+        )
+        return objective, (ce * mask_flat).sum(), (correct * mask_flat).sum()
+
+    @staticmethod
+    def _head_input(layer: nn.Module, hidden: Tensor, tp_group: Any) -> Tensor:
+        """What ``ColumnParallelLinear`` multiplies: SP-gathered or copied into the TP region."""
+        if getattr(layer, "sequence_parallel", False):
+            return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
+        if _mcore.group_size(tp_group) > 1:
+            return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+        return hidden
+
+    # --------------------------------------------------------------- call plumbing
+    def _targets_for_call(self, labels: Any, loss_mask: Any) -> Optional[_MicroBatch]:
+        pending = self._pending
+        if labels is None and loss_mask is None:
+            if pending is None:
+                return None
+            if pending.used:
+                raise bad_argument(
+                    "micro_batch", "one forward per micro_batch", "a second forward inside the same micro_batch"
+                )
+            pending.used = True
+            return pending
+        if pending is not None:
+            raise bad_argument(
+                "labels", "labels either in micro_batch(...) or as model(..., labels=...), not both", "both"
+            )
+        if labels is None:
+            raise bad_argument("labels", "a [b, s] integer tensor when loss_mask is given", None)
+        return _validate_targets(labels, loss_mask)
+
+    def _argument(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+        position = self._positions.get(name)
+        if position is not None and position < len(args):
+            return args[position]
+        return kwargs.get(name)
+
+    def _take_argument(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[tuple[Any, ...], Any]:
+        """Read ``name`` from the call and set it to ``None`` in the same slot."""
+        position = self._positions.get(name)
+        if position is not None and position < len(args):
+            value = args[position]
+            return (*args[:position], None, *args[position + 1 :]), value
+        value = kwargs.get(name)
+        if name in kwargs:
+            kwargs[name] = None
+        return args, value
+
+    @staticmethod
+    def _restore(state: _Forward) -> None:
+        for module, name, value in reversed(state.restore):
+            setattr(module, name, value)
+        state.restore.clear()
+
+
+def attach(
+    model: nn.Module,
+    *,
+    detach_encoder: bool = False,
+    detach_head: bool = False,
+    loss_scale: Optional[float] = None,
+    loss_impl: LossImpl = "lean",
+    chunk_size: Optional[int] = None,
+) -> MTPHooks:
+    """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
+
+    Hooks and proxies only: no method of any class or instance is replaced, and ``remove()``
+    leaves the model exactly as stock.
+
+    Args:
+        model: a ``GPTModel``, a wrapper exposing it as ``.module`` (DDP, Float16Module), or a
+            model whose ``.language_model`` is one. Its config must have ``mtp_num_layers``.
+        detach_encoder: MTP layers get detached next-token embeddings and detached trunk hidden
+            states, so the MTP loss sends no gradient into the decoder or the embedding.
+        detach_head: MTP logits use a detached output weight (tied or untied).
+        loss_scale: total MTP loss weight, split evenly over depths; ``None`` reads
+            ``config.mtp_loss_scaling_factor`` at every forward.
+        loss_impl: ``"lean"`` (default) never keeps MTP logits for backward; ``"dense"``
+            computes them with the output layer, as stock mcore does.
+        chunk_size: tokens per chunk of the lean loss; ``None`` keeps a chunk's fp32 logits
+            near 256 MiB.
+
+    Returns:
+        An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
+
+    Raises:
+        MTPHooksError: for a model without MTP layers, a second attach, or bad arguments.
+
+    Example::
+
+        hooks = mtp_hooks.attach(model, detach_encoder=True)
+        with hooks.micro_batch(labels=labels, loss_mask=loss_mask):
+            logits = model(input_ids, position_ids, attention_mask)   # [b, s, V/tp]
+
+    If a forward raises, every swapped attribute is restored by an ``always_call`` hook and the
+    targets of that forward are dropped.
+    """
+    language_model = _find_language_model(model)
+    config = language_model.config
+    if not getattr(config, "mtp_num_layers", None):
+        raise bad_argument("model", "a model with MTP layers (config.mtp_num_layers >= 1)", f"mtp_num_layers={config.mtp_num_layers!r}")
+    if _STATE_KEY in language_model.__dict__:
+        raise MTPHooksError(f"model: mtp_hooks.attach was already applied to this {type(language_model).__name__}; remove() the first hooks before attaching again")
+    if language_model.post_process and not language_model.mtp_process:
+        raise MTPHooksError(
+            "model: the MTP layers sit on another pipeline stage than the output layer (custom pipeline layout); "
+            "mtp_hooks needs them on the same stage"
+        )
+    for name, value in (("detach_encoder", detach_encoder), ("detach_head", detach_head)):
+        if not isinstance(value, bool):
+            raise bad_argument(name, "a bool", describe(value))
+    if loss_scale is None and config.mtp_loss_scaling_factor is None:
+        raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
+    if loss_scale is not None and (isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale >= 0):
+        raise bad_argument("loss_scale", "None or a float >= 0", describe(loss_scale))
+    if loss_impl not in ("lean", "dense"):
+        raise bad_argument("loss_impl", "'lean' or 'dense'", describe(loss_impl))
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise bad_argument("chunk_size", "None or an int >= 1", describe(chunk_size))
+    if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:
+        raise MTPHooksError("model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)")
+    hooks = MTPHooks(
+        language_model,
+        detach_encoder=detach_encoder,
+        detach_head=detach_head,
+        loss_scale=None if loss_scale is None else float(loss_scale),
+        loss_impl=loss_impl,
+        chunk_size=chunk_size,
+    )
+    hooks._install(language_model)
+    language_model.__dict__[_STATE_KEY] = hooks
+    return hooks
+
+
+@contextlib.contextmanager
+def attached(model: nn.Module, **options: Any) -> Iterator[MTPHooks]:
+    """``attach`` for the length of a ``with`` block; the hooks are removed on exit."""
+    hooks = attach(model, **options)
+    try:
+        yield hooks
+    finally:
+        hooks.remove()
+
+
+def hooks_of(model: nn.Module) -> Optional[MTPHooks]:
+    """The ``MTPHooks`` attached to ``model`` (or the language model inside it), or ``None``."""
+    return _find_language_model(model).__dict__.get(_STATE_KEY)

@@ -1,0 +1,37 @@
+"""Shared fixtures: real mcore on CPU (gloo, world size 1) and a clean process-wide MTP state."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
+    MTPLossAutoScaler,
+    MTPLossLoggingHelper,
+)
+
+from tests.mcore_cpu import cuda_current_device_is_cpu, init_parallel  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mcore_on_cpu() -> Iterator[None]:
+    """One gloo process group and mcore's parallel state (TP=PP=CP=1) for the whole session."""
+    with cuda_current_device_is_cpu():
+        init_parallel()
+        yield
+
+
+@pytest.fixture(autouse=True)
+def clean_mtp_process_state() -> Iterator[None]:
+    """Empty mcore's MTP loss tracker and reset the AutoScaler's backward scale around each test."""
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    torch.manual_seed(0)
+    yield
+    MTPLossLoggingHelper.tracker.clear()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
