@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError, bad_argument, describe
-from mtp_hooks.loss import dense_cross_entropy, lean_linear_cross_entropy
+from mtp_hooks.loss import argmax_matches, lean_linear_cross_entropy
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.proxies import ConfigView, DetachedEmbedding
 from mtp_hooks.targets import mtp_targets
@@ -306,7 +306,8 @@ class MTPHooks:
                 logits, _bias = layer(chunk, weight=weight, runtime_gather_output=False)
             finally:
                 state.in_own_head_call = False
-            ce, correct = dense_cross_entropy(logits, labels_sb, tp_group)
+            correct = argmax_matches(logits, labels_sb, tp_group)  # before mcore's CE, which may write into logits
+            ce = self.model.compute_language_model_loss(labels, logits).t()
             objective = (ce * mask_sb).sum() * coef
             return objective, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
         hidden = self._head_input(layer, chunk, tp_group)

@@ -5,7 +5,7 @@ tensor-parallel group go in; a scalar objective ``sum(token_weight * CE)`` plus 
 CE and "argmax equals label" flags come out. Logits shards are ``[tokens, V/tp]``; the full
 vocabulary is reduced over ``tp_group`` (max, sum of exponentials, target logit).
 
-* ``dense_cross_entropy`` works on logits that the caller computed (autograd keeps them).
+* ``argmax_matches`` scores logits that the caller computed (dense path; the CE itself is mcore's).
 * ``LeanLinearCrossEntropy`` never keeps logits for backward: it walks the tokens in chunks,
   computes the hidden-state gradient during forward (the objective's upstream gradient is a
   scalar, so it is known up to that factor) and, when the head weight needs a gradient,
@@ -37,18 +37,6 @@ def _all_reduce(tensor: Tensor, group: ProcessGroup, op: Any = dist.ReduceOp.SUM
     return tensor
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose gradient passes through unchanged, for per-shard partial sums."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: ProcessGroup) -> Tensor:
-        return _all_reduce(tensor.clone(), group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
 def _shard_targets(labels: Tensor, shard_size: int, group: ProcessGroup) -> tuple[Tensor, Tensor]:
     """Labels as indices into this rank's vocabulary shard, and whether they fall in it."""
     local = labels - _rank(group) * shard_size
@@ -56,22 +44,17 @@ def _shard_targets(labels: Tensor, shard_size: int, group: ProcessGroup) -> tupl
     return local.clamp(0, shard_size - 1), in_shard
 
 
-def dense_cross_entropy(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> tuple[Tensor, Tensor]:
-    """Per-token CE of vocab-parallel ``logits`` ``[..., V/tp]`` against ``labels`` ``[...]``.
+@torch.no_grad()
+def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Tensor:
+    """Whether each label's logit is the largest over the full (vocab-parallel) vocabulary.
 
-    Differentiable through ``logits``; never writes into them. Returns (ce, correct), where
-    ``correct`` (detached, bool) says the label's logit is the largest over the full vocabulary.
+    ``logits`` ``[..., V/tp]``, ``labels`` ``[...]``; returns a bool tensor shaped like ``labels``.
+    A tie with another token counts as a match.
     """
-    logits = logits.float()
     local, in_shard = _shard_targets(labels, logits.shape[-1], tp_group)
-    with torch.no_grad():
-        row_max = _all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
-    shifted = logits - row_max.unsqueeze(-1)
-    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-    sum_exp = shifted.exp().sum(dim=-1)
-    target, sum_exp = _SumOverGroup.apply(torch.stack([picked, sum_exp]), tp_group).unbind(0)
-    ce = sum_exp.log() - target
-    return ce, (target >= 0).detach()
+    row_max = _all_reduce(logits.max(dim=-1).values.float(), tp_group, dist.ReduceOp.MAX)
+    target = _all_reduce(logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() * in_shard, tp_group)
+    return target >= row_max
 
 
 def _chunk_statistics(
