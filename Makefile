@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench clean matrix matrix-envs
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,16 @@ venv: $(VENV)/.installed
 
 test: venv  ## run the test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The whole suite on megatron-core 0.14.0 - 0.19.2 (scripts/matrix.py): the Python 3.11 releases in
+# $(VENV) with each release first on PYTHONPATH (.mcore/<version>), the Python 3.12 releases in
+# .venv-py312 when a Python 3.12 interpreter exists (PY312=...), otherwise skipped with the reason.
+# MATRIX_VERSIONS=0.14.0,0.19.2 picks releases; results in matrix-out/.
+matrix: venv  ## run the test suite on every supported megatron-core release
+	$(PY) scripts/matrix.py --python311 $(PY) $(if $(PY312),--python312 $(PY312)) $(if $(MATRIX_VERSIONS),--versions $(MATRIX_VERSIONS)) -- $(PYTEST_ARGS)
+
+matrix-envs: venv  ## build the matrix environments only
+	$(PY) scripts/matrix.py --python311 $(PY) $(if $(PY312),--python312 $(PY312)) --build-only
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
 	$(PY) -m benchmarks.demo

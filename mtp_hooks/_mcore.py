@@ -1,11 +1,21 @@
 """Everything that depends on which megatron-core release is installed.
 
 Decisions are made by feature detection (signatures and attributes), never by version strings.
-Regimes, per ``research/mcore-mtp-compat.md``:
+Where stock mcore computes its own MTP loss, and how the hooks keep it off:
 
-* 0.14 - 0.16: ``GPTModel._postprocess`` computes the MTP loss inline whenever
-  ``config.mtp_num_layers`` is set (and crashes on ``labels=None``). A config view that reads
-  ``mtp_num_layers = None`` for the length of one forward turns that branch off.
+* 0.14 - 0.15: inline in ``GPTModel._postprocess``, gated by ``self.mtp_process`` read *after*
+  the MTP block ran (crashes on ``labels=None``). ``stock_mtp_loss_off_after_block`` sets
+  ``mtp_process = False`` from the block's forward hook, so the gate reads False and the
+  concatenated block output goes to the output layer unsplit.
+* 0.16: inline as well, gated by ``config.mtp_num_layers``: the ``ConfigView`` that reads
+  ``mtp_num_layers = None`` for the length of one forward turns it off.
+* 0.17 - 0.18: ``process_mtp_loss``, gated by ``config.mtp_num_layers`` (``ConfigView``).
+* 0.19: ``process_mtp_loss`` derives labels from ``input_ids`` when ``labels`` is None and would
+  train MTP on every forward; the same ``ConfigView`` gate keeps it off. ``HybridModel``
+  (0.18+) gates on ``config.mtp_num_layers is not None and self.mtp_process``: both apply.
+
+Both switches are applied on every version; each is a no-op where the gate it targets is absent.
+The normalisation of the MTP loss follows the installed version (``depth_coefficient``).
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import inspect
 from typing import Any, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from megatron.core import parallel_state
 from megatron.core.transformer import multi_token_prediction as _mtp
@@ -22,6 +32,66 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 MTPLossAutoScaler = _mtp.MTPLossAutoScaler
 
 _ROLL_PARAMETERS = frozenset(inspect.signature(_mtp.roll_tensor).parameters)
+
+# 0.16.1+: ``roll_tensor(..., packed_seq_params=)`` rolls inside each packed (THD) sequence; before
+# that the MTP layers themselves assert that no packed sequences come in.
+ROLLS_PACKED_SEQUENCES: bool = "packed_seq_params" in _ROLL_PARAMETERS
+
+# 0.17.1+ moved the MTP loss into ``process_mtp_loss``; with it came the ``clamp(min=1)`` divisor
+# and the per-token rescaling by original / rolled token counts.
+_PROCESS_MTP_LOSS = getattr(_mtp, "process_mtp_loss", None)
+PER_TOKEN_LOSS_RESCALED: bool = _PROCESS_MTP_LOSS is not None
+
+# 0.19.2+: ``process_mtp_loss(..., input_ids=)`` derives labels when it gets none.
+DERIVES_LABELS_FROM_INPUT_IDS: bool = _PROCESS_MTP_LOSS is not None and "input_ids" in inspect.signature(
+    _PROCESS_MTP_LOSS
+).parameters
+
+
+def stock_mtp_loss_off_after_block(model: nn.Module, restore: list[tuple[nn.Module, str, Any]]) -> None:
+    """Make the post-processing that follows the MTP block skip stock mcore's MTP loss.
+
+    Called from the MTP block's forward hook, i.e. after the block ran and before the loss gate.
+    Needed on 0.14 - 0.15 (``GPTModel._postprocess`` gates on ``self.mtp_process``) and read by
+    0.18+ ``HybridModel`` (gate ``config.mtp_num_layers is not None and self.mtp_process``);
+    0.16 - 0.19 ``GPTModel`` no longer read ``mtp_process`` after the block, so it is a no-op
+    there. ``restore`` gets the entry that puts the attribute back after the forward.
+    """
+    restore.append((model, "mtp_process", model.mtp_process))
+    model.mtp_process = False
+
+
+def depth_coefficient(depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor) -> Any:
+    """The factor stock mcore puts on one depth's ``sum(mask_k * CE_k)``.
+
+    * not per-token (every version): ``depth_scale / tokens_k``. 0.14 - 0.16 divide unclamped (a
+      depth without targets gives 0/0 = NaN there); 0.17.1+ clamp at 1, as done here everywhere.
+    * ``calculate_per_token_loss`` on 0.14 - 0.16: ``depth_scale`` (the sum goes to
+      ``finalize_model_grads``, which divides by the main loss's token count).
+    * ``calculate_per_token_loss`` on 0.17.1+: ``depth_scale * original / clamp(tokens_k, 1)``,
+      where ``original`` counts the unrolled mask, so a depth weighs like the main loss per token.
+    """
+    if not per_token:
+        return depth_scale / rolled_tokens.clamp(min=1)
+    if PER_TOKEN_LOSS_RESCALED:
+        return depth_scale * original_tokens / rolled_tokens.clamp(min=1)
+    return depth_scale
+
+
+def config_detaches_heads(config: Any) -> bool:
+    """``config.mtp_detach_heads`` (0.19+): stock MTP logits then use a detached output weight."""
+    return bool(getattr(config, "mtp_detach_heads", False))
+
+
+def unsupported_config(config: Any) -> Optional[str]:
+    """Why the hooks cannot reproduce stock MTP on this config, or ``None``.
+
+    ``use_mup`` (0.17.1+): stock scales MTP logits with the model's MuP output multiplier before
+    its CE; the lean loss has no logits to scale.
+    """
+    if getattr(config, "use_mup", False):
+        return "config.use_mup=True (MuP scales MTP logits before the loss); use a config without MuP"
+    return None
 
 
 def roll_left(

@@ -6,6 +6,8 @@ No class or instance method is replaced. Per forward of the language model:
   ``micro_batch``), so mcore returns logits, and installs a ``ConfigView`` on the model so mcore's
   own MTP loss stays off. For an inference micro-batch it also sets ``mtp_process = False``, so
   the MTP block does not run at all;
+* a forward hook on the MTP block switches off the stock MTP loss of releases whose post-processing
+  gates it on ``mtp_process`` after the block ran (see ``_mcore``);
 * a forward pre-hook on ``output_layer`` receives the MTP block's concatenated output
   ``[(1+N)s, b, h]``, computes each depth's loss on its chunk, attaches the losses to chunk 0 with
   mcore's ``MTPLossAutoScaler`` and hands chunk 0 on, so the main logits are mcore's own;
@@ -20,6 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import threading
 import weakref
 from typing import Any, Iterator, Literal, Optional
 
@@ -38,7 +41,7 @@ from mtp_hooks.errors import MTPHooksError, bad_argument, describe
 from mtp_hooks.loss import argmax_matches, lean_linear_cross_entropy
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.proxies import ConfigView, DetachedEmbedding
-from mtp_hooks.targets import mtp_targets
+from mtp_hooks.targets import mtp_targets, packed_layout
 
 LossImpl = Literal["lean", "dense"]
 _STATE_KEY = "_mtp_hooks"
@@ -52,6 +55,7 @@ class _MicroBatch:
     labels: Tensor
     loss_mask: Optional[Tensor]
     used: bool = False
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that opened it
 
 
 @dataclasses.dataclass
@@ -64,6 +68,10 @@ class _Forward:
     mtp_layer_calls: int = 0
     attached: bool = False
     in_own_head_call: bool = False
+    # Metrics of this forward, added to the running sums only once the forward has completed.
+    metrics: list[tuple[int, Tensor, Tensor, Tensor]] = dataclasses.field(default_factory=list)
+    # Set when switching ``mtp_process`` off changed ``shared_embedding_or_output_weight()``.
+    output_weight: Optional[Tensor] = None
 
     @property
     def train(self) -> bool:
@@ -133,6 +141,7 @@ class MTPHooks:
         self._pending: Optional[_MicroBatch] = None
         self._forward: Optional[_Forward] = None
         self._calls = 0
+        self._thread: Optional[int] = None  # the thread whose forward is in flight while _calls > 0
         self._handles: list[RemovableHandle] = []
         parameters = list(inspect.signature(type(model).forward).parameters)[1:]
         self._positions = {name: i for i, name in enumerate(parameters)}
@@ -160,7 +169,13 @@ class MTPHooks:
         them. The forward trains MTP only if gradients are enabled; otherwise it is an inference
         micro-batch. One forward per ``micro_batch``: a second forward inside it raises.
         On exit (also by exception) the targets are dropped.
+
+        One thread at a time: while a micro_batch is open or a forward is in flight, a
+        ``micro_batch`` or forward from another thread raises ``MTPHooksError`` (the hooks swap
+        attributes of the shared model for the length of a forward).
         """
+        if self._pending is not None and self._pending.thread != threading.get_ident():
+            raise _other_thread("micro_batch", "a micro_batch")
         if self._pending is not None:
             raise bad_argument("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
         self._pending = _validate_targets(labels, loss_mask)
@@ -200,13 +215,19 @@ class MTPHooks:
         self._handles.append(model.register_forward_hook(self._on_model_post, with_kwargs=True, always_call=True))
         if model.post_process:
             self._handles.append(model.output_layer.register_forward_pre_hook(self._on_output_layer_pre, with_kwargs=True))
+        if model.mtp_process:
+            self._handles.append(model.mtp.register_forward_hook(self._on_mtp_block_post))
+            self._handles.append(model.mtp.register_forward_pre_hook(self._on_mtp_block_pre, with_kwargs=True))
         if self.detach_encoder and model.mtp_process:
             for layer in model.mtp.layers:
                 self._handles.append(layer.register_forward_pre_hook(self._on_mtp_layer_pre, with_kwargs=True))
 
     # ------------------------------------------------------------------- the hooks
     def _on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._calls > 0 and self._thread != threading.get_ident():
+            raise _other_thread("model", "a forward")
         self._calls += 1
+        self._thread = threading.get_ident()
         if self._calls > 1:
             raise MTPHooksError("model: a forward of this model started inside another forward of it; nested forwards are not supported")
         args, labels = self._take_argument(args, kwargs, "labels")
@@ -216,19 +237,31 @@ class MTPHooks:
         if targets is not None and isinstance(input_ids, Tensor) and targets.labels.shape != input_ids.shape:
             raise bad_argument("labels", f"shape of input_ids {tuple(input_ids.shape)}", describe(targets.labels))
         train = targets is not None and torch.is_grad_enabled() and model.post_process
+        if train and self._argument(args, kwargs, "output_processor") is not None:
+            # mcore 0.18+: the processor replaces the output layer call the MTP loss hangs on.
+            raise bad_argument("output_processor", "None in a training micro-batch (mtp_hooks needs the output layer call)", "a processor")
         state = _Forward(
             targets=targets if train else None,
             packed_seq_params=self._argument(args, kwargs, "packed_seq_params"),
             restore=[(model, "config", model.config)],
         )
         if not train and model.mtp_process:
+            tied = model.post_process and getattr(model, "share_embeddings_and_output_weights", False)
+            weight = model.shared_embedding_or_output_weight() if tied else None
             state.restore.append((model, "mtp_process", model.mtp_process))
             model.mtp_process = False
+            if tied and model.shared_embedding_or_output_weight() is not weight:
+                # A later pipeline stage with tied embeddings keeps a copy of the word embeddings
+                # for MTP and serves it as the output weight only while ``mtp_process`` is set;
+                # without it mcore would hand its untrained ``output_layer.weight`` to the head.
+                state.output_weight = weight
         model.config = ConfigView(model.config)
         self._forward = state
         return args, kwargs
 
     def _on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._calls == 0 or self._thread != threading.get_ident():
+            return None  # this call's pre-hook never ran: refused above, or an earlier pre-hook raised
         self._calls -= 1
         if self._calls > 0:
             return None
@@ -241,11 +274,19 @@ class MTPHooks:
                 "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
                 "received the MTP block's output (a path that bypasses module hooks?)"
             )
+        if output is not None:  # ``None``: forward raised, and its micro-batch counts for nothing
+            for entry in state.metrics:
+                self._metrics.add(*entry)
         return None
 
     def _on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
         state = self._forward
-        if state is None or not state.train or state.attached or state.in_own_head_call:
+        if state is None or state.in_own_head_call:
+            return None
+        if state.output_weight is not None:  # inference forward, see ``_on_model_pre``
+            kwargs["weight"] = state.output_weight
+            return args, kwargs
+        if not state.train or state.attached:
             return None
         hidden = args[0]
         chunks = torch.chunk(hidden, 1 + self.depth, dim=0)
@@ -256,9 +297,28 @@ class MTPHooks:
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
-        main = self._attach_mtp_losses(layer, chunks, weight.detach() if self.detach_head else weight, state)
+        detach = self.detach_head or _mcore.config_detaches_heads(self.model.config)
+        main = self._attach_mtp_losses(layer, chunks, weight.detach() if detach else weight, state)
         state.attached = True
         return (main, *args[1:]), kwargs
+
+    def _on_mtp_block_pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Give the MTP layers the padded layout of a packed batch, so their shifted input ids stay
+        within each sequence (mcore rolls them by ``cu_seqlens_q``; see ``targets.packed_layout``)."""
+        packed = kwargs.get("packed_seq_params")
+        if self._forward is None or packed is None:
+            return None
+        layout = packed_layout(packed)
+        if layout is packed:
+            return None
+        kwargs["packed_seq_params"] = layout
+        return args, kwargs
+
+    def _on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        state = self._forward
+        if state is not None and state.train:
+            _mcore.stock_mtp_loss_off_after_block(self.model, state.restore)
+        return None
 
     def _on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
         state = self._forward
@@ -285,13 +345,15 @@ class MTPHooks:
             packed_seq_params=state.packed_seq_params,
             cp_group=_mcore.cp_group_of(model),
         )
+        loss_mask = state.targets.loss_mask
+        original_tokens = state.targets.labels.new_tensor(state.targets.labels.numel()) if loss_mask is None else loss_mask.sum()
         main = chunks[0]
         for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
             tokens = mask_k.sum()
-            coef = depth_scale if per_token else depth_scale / tokens.clamp(min=1)
+            coef = _mcore.depth_coefficient(depth_scale, per_token, original_tokens, tokens)
             objective, ce_sum, correct = self._depth_loss(layer, chunk, weight, labels_k, mask_k, coef, state)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
-            self._metrics.add(k, ce_sum, tokens, correct)
+            state.metrics.append((k, ce_sum, tokens, correct))
         return main
 
     def _depth_loss(
@@ -335,6 +397,8 @@ class MTPHooks:
     # --------------------------------------------------------------- call plumbing
     def _targets_for_call(self, labels: Any, loss_mask: Any) -> Optional[_MicroBatch]:
         pending = self._pending
+        if pending is not None and pending.thread != threading.get_ident():
+            raise _other_thread("model", "a forward")
         if labels is None and loss_mask is None:
             if pending is None:
                 return None
@@ -374,6 +438,14 @@ class MTPHooks:
         for module, name, value in reversed(state.restore):
             setattr(module, name, value)
         state.restore.clear()
+
+
+def _other_thread(name: str, what: str) -> MTPHooksError:
+    return bad_argument(
+        name,
+        "one thread at a time on these hooks (attach one model per thread, or serialise the calls)",
+        f"{what} from thread {threading.get_ident()} while another thread has a micro_batch open or a forward in flight",
+    )
 
 
 def attach(
@@ -422,8 +494,15 @@ def attach(
     config = language_model.config
     if not getattr(config, "mtp_num_layers", None):
         raise bad_argument("model", "a model with MTP layers (config.mtp_num_layers >= 1)", f"mtp_num_layers={config.mtp_num_layers!r}")
+    unsupported = _mcore.unsupported_config(config)
+    if unsupported is not None:
+        raise MTPHooksError(f"model: mtp_hooks cannot reproduce stock MTP with {unsupported}")
     if _STATE_KEY in language_model.__dict__:
-        raise MTPHooksError(f"model: mtp_hooks.attach was already applied to this {type(language_model).__name__}; remove() the first hooks before attaching again")
+        raise bad_argument(
+            "model",
+            "a model without mtp_hooks attached (remove() the first hooks before attaching again)",
+            f"a {type(language_model).__name__} with mtp_hooks already attached",
+        )
     if language_model.post_process and not language_model.mtp_process:
         raise MTPHooksError(
             "model: the MTP layers sit on another pipeline stage than the output layer (custom pipeline layout); "

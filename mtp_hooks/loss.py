@@ -9,7 +9,9 @@ vocabulary is reduced over ``tp_group`` (max, sum of exponentials, target logit)
 * ``LeanLinearCrossEntropy`` never keeps logits for backward: it walks the tokens in chunks,
   computes the hidden-state gradient during forward (the objective's upstream gradient is a
   scalar, so it is known up to that factor) and, when the head weight needs a gradient,
-  recomputes each chunk's logits in backward to accumulate it.
+  recomputes the logits in backward one vocabulary slice at a time; each slice yields its own
+  rows of the weight gradient with one matmul over all tokens, so there is no accumulator and
+  the result is rounded once, as in the dense path.
 """
 
 from __future__ import annotations
@@ -57,23 +59,41 @@ def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Te
     return target >= row_max
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half, bf16 and fp32 inputs (as mcore's CE), fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_statistics(
     logits: Tensor, local: Tensor, in_shard: Tensor, tp_group: ProcessGroup
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-sum-exp, target logit, correct) of one chunk of vocab-parallel fp32 logits."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log-sum-exp, target logit, correct, sum of exponentials) of one chunk of vocab-parallel logits.
+
+    Overwrites ``logits`` with ``exp(logits - row max)``, so the caller can form the softmax
+    from it without a second exponential pass.
+    """
     row_max = _all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
     picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-    sum_exp = (logits - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
     target, sum_exp = _all_reduce(torch.stack([picked, sum_exp]), tp_group).unbind(0)
-    return row_max + sum_exp.log(), target, target >= row_max
+    return row_max + sum_exp.log(), target, target >= row_max, sum_exp
 
 
-def _logit_grad(logits: Tensor, lse: Tensor, local: Tensor, in_shard: Tensor, token_weight: Tensor) -> Tensor:
-    """d(sum token_weight * CE)/d logits for one chunk, written over ``logits``."""
+def _subtract_targets(grad: Tensor, local: Tensor, in_shard: Tensor, token_weight: Tensor, first: int = 0) -> Tensor:
+    """``grad[t, label_t - first] -= token_weight[t]`` where the label is one of ``grad``'s columns.
+
+    ``grad`` holds the shard's vocabulary columns ``first .. first + grad.shape[-1]``.
+    """
+    columns = grad.shape[-1]
+    index = local - first
+    inside = in_shard & (index >= 0) & (index < columns)
+    return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), (-(token_weight * inside)).unsqueeze(-1))
+
+
+def _logit_grad(logits: Tensor, lse: Tensor, local: Tensor, in_shard: Tensor, token_weight: Tensor, first: int) -> Tensor:
+    """d(sum token_weight * CE)/d logits for a slice of vocabulary columns, written over ``logits``."""
     grad = logits.sub_(lse.unsqueeze(-1)).exp_().mul_(token_weight.unsqueeze(-1))
-    rows = torch.arange(grad.shape[0], device=grad.device)
-    grad[rows, local] -= token_weight * in_shard
-    return grad
+    return _subtract_targets(grad, local, in_shard, token_weight, first)
 
 
 class LeanLinearCrossEntropy(torch.autograd.Function):
@@ -95,21 +115,24 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
     ) -> tuple[Tensor, Tensor, Tensor]:
         tokens = hidden.shape[0]
+        acc_dtype = _accumulation_dtype(hidden.dtype)
         local, in_shard = _shard_targets(labels, weight.shape[0], tp_group)
-        token_weight = token_weight.float()
+        token_weight = token_weight.to(acc_dtype)
         need_hidden_grad = ctx.needs_input_grad[0]
         need_weight_grad = ctx.needs_input_grad[1]
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(tokens, dtype=acc_dtype, device=hidden.device)
         ce = torch.empty_like(lse)
         correct = torch.empty(tokens, dtype=torch.bool, device=hidden.device)
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, tokens))
-            logits = (hidden[rows] @ weight.t()).float()
-            lse[rows], target, correct[rows] = _chunk_statistics(logits, local[rows], in_shard[rows], tp_group)
+            logits = (hidden[rows] @ weight.t()).to(acc_dtype)
+            lse[rows], target, correct[rows], sum_exp = _chunk_statistics(logits, local[rows], in_shard[rows], tp_group)
             ce[rows] = lse[rows] - target
             if need_hidden_grad:
-                grad = _logit_grad(logits, lse[rows], local[rows], in_shard[rows], token_weight[rows])
+                # logits now hold exp(logits - row max): one multiply turns them into weighted softmax.
+                grad = logits.mul_((token_weight[rows] / sum_exp).unsqueeze(-1))
+                grad = _subtract_targets(grad, local[rows], in_shard[rows], token_weight[rows])
                 hidden_grad[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
         objective = (ce * token_weight).sum()
         ctx.chunk_size = chunk_size
@@ -134,13 +157,16 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
             d_hidden = hidden_grad * grad_objective.to(hidden_grad.dtype)
         d_weight = None
         if weight is not None:
-            acc = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            for start in range(0, hidden.shape[0], ctx.chunk_size):
-                rows = slice(start, min(start + ctx.chunk_size, hidden.shape[0]))
-                logits = (hidden[rows] @ weight.t()).float()
-                grad = _logit_grad(logits, lse[rows], local[rows], in_shard[rows], token_weight[rows])
-                acc.addmm_(grad.t(), hidden[rows].float())
-            d_weight = acc.mul_(grad_objective.float()).to(weight.dtype)
+            # Vocabulary slices with as many logits as a forward chunk; each gives its rows of dW.
+            tokens, shard = hidden.shape[0], weight.shape[0]
+            columns = max(1, -(-ctx.chunk_size * shard // max(tokens, 1)))
+            scaled = token_weight * grad_objective.to(lse.dtype)
+            d_weight = torch.empty_like(weight)
+            for first in range(0, shard, columns):
+                cols = slice(first, min(first + columns, shard))
+                logits = (hidden @ weight[cols].t()).to(lse.dtype)
+                grad = _logit_grad(logits, lse, local, in_shard, scaled, first)
+                torch.mm(grad.to(weight.dtype).t(), hidden, out=d_weight[cols])
         return d_hidden, d_weight, None, None, None, None
 
 

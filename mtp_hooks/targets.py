@@ -1,15 +1,32 @@
-"""The label / loss-mask contract of MTP, as mcore defines it.
+"""The label / loss-mask contract of MTP: what ``mtp_targets`` returns and the hooks train on.
 
-``labels[b, t]`` is the token that follows position ``t`` (next-token labels, as for the main
-head) and ``loss_mask`` is aligned with ``labels``. Depth ``k`` (1-based) predicts the token
-``k`` steps after that: its targets are ``labels`` rolled left ``k`` times with mcore's
-``roll_tensor``, which zero-fills the tail of every sequence (so a target never crosses a packed
-sequence boundary) and exchanges boundary tokens between context-parallel ranks. The rolled
-mask is zero wherever the rolled label does not exist.
+* ``labels[b, t]`` is the token that follows position ``t`` (next-token labels, as for the main
+  head); ``loss_mask[b, t]`` (0 or 1) says whether that label counts.
+* Depth ``k`` (1 .. N) at position ``t`` targets ``labels[b, t + k]`` with weight
+  ``loss_mask[b, t + k]`` when ``t + k`` is a real token of the same sequence as ``t``; otherwise
+  its mask is 0. Labels where the mask is 0 are unspecified.
+* A sequence is a row of a ``[b, s]`` batch. In a packed (THD) batch, ``b == 1`` and sequence
+  ``i`` occupies the slot ``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i + 1])`` of the row
+  (``cu_seqlens_q`` when there is no padded variant); its first
+  ``cu_seqlens_q[i + 1] - cu_seqlens_q[i]`` tokens are real, the rest of the slot is padding.
+  Tokens after the last slot belong to no sequence.
+* With context parallelism the tensors are this rank's part of mcore's load-balanced split:
+  chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` equal chunks of every sequence (of every slot, for
+  THD, whose ``cu_seqlens`` stay global as mcore expects). ``t + k`` counts in the full sequence;
+  boundary tokens come from the neighbouring CP ranks.
+
+The rolls are mcore's own ``roll_tensor`` (zero fill at the end of each sequence, CP boundary
+exchange), so the result is stock mcore's wherever stock is well defined: unpacked batches, and
+packed ones whose ``cu_seqlens_q`` is the layout (no padding, or ``cu_seqlens_q`` equal to
+``cu_seqlens_q_padded``, which is how Megatron-LM, verl and NeMo-RL fill it). Stock mcore 0.16
+rolls by ``cu_seqlens_q`` even when a padded layout differs from it, i.e. by unpadded lengths
+over the padded row, so its targets run across sequences there; here the rolls use the padded
+layout and padding is masked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -27,26 +44,118 @@ def mtp_targets(
     packed_seq_params: Any = None,
     cp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Per-depth ``(labels_k, loss_mask_k)`` for ``k = 1 .. depth``.
+    """Per-depth MTP targets ``[(labels_1, mask_1), ..., (labels_N, mask_N)]`` of one micro-batch.
+
+    ``mask_k[b, t]`` is ``loss_mask[b, t + k]`` where position ``t + k`` is a real token of the
+    same sequence as ``t`` and 0 elsewhere; ``labels_k[b, t]`` is ``labels[b, t + k]`` where
+    ``mask_k`` is 1 (unspecified elsewhere). Sequences, padding and the CP split are as in the
+    module docstring; ``sum(mask_k)`` is the token count stock mcore normalises depth ``k`` by.
 
     Args:
-        labels: ``[b, s]`` integer next-token labels (CP-local when context parallel).
+        labels: ``[b, s]`` integer next-token labels (this CP rank's part with context parallelism).
         loss_mask: ``[b, s]`` 0/1 mask aligned with ``labels``; ``None`` means all ones.
-        depth: number of MTP layers.
-        packed_seq_params: mcore ``PackedSeqParams`` of a THD batch (``b == 1``), or ``None``.
+        depth: number of MTP layers ``N``.
+        packed_seq_params: mcore ``PackedSeqParams`` of a packed THD batch (``b == 1``; global
+            ``cu_seqlens_q``, optional ``cu_seqlens_q_padded``), or ``None``.
         cp_group: context-parallel group, or ``None``.
 
     Returns:
-        ``depth`` pairs; masks are float tensors of ``labels``' shape.
+        ``depth`` pairs of tensors shaped like ``labels``: labels in its dtype, float32 masks.
+
+    Raises:
+        MTPHooksError: for a bad ``depth``, shapes, or a packed layout that does not fit the row
+            (slots shorter than their sequences, slots not divisible into ``2cp`` chunks).
+
+    Example::
+
+        (labels_1, mask_1), (labels_2, mask_2) = mtp_targets(labels, loss_mask, 2)
     """
-    if not isinstance(depth, int) or depth < 1:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise bad_argument("depth", "an int >= 1", describe(depth))
-    if loss_mask is None:
-        loss_mask = torch.ones_like(labels, dtype=torch.float32)
-    mask = loss_mask.float()
+    if not isinstance(labels, Tensor) or labels.dim() != 2:
+        raise bad_argument("labels", "a [b, s] integer tensor", describe(labels))
+    if loss_mask is not None and (not isinstance(loss_mask, Tensor) or loss_mask.shape != labels.shape):
+        raise bad_argument("loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask))
+    mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_mask is None else loss_mask.float()
+    layout = None
+    if packed_seq_params is not None:
+        if labels.shape[0] != 1:
+            raise bad_argument("labels", "[1, t] for packed sequences (THD: batch 1, tokens along dim 1)", describe(labels))
+        layout = _without_empty_slots(packed_layout(packed_seq_params))
+        mask = mask * _real_tokens(packed_seq_params, labels.shape[1], cp_group, labels.device)
     out = []
     for _ in range(depth):
-        labels, _sum = _mcore.roll_left(labels, cp_group, packed_seq_params)
-        mask, _sum = _mcore.roll_left(mask, cp_group, packed_seq_params)
+        labels, _sum = _mcore.roll_left(labels, cp_group, layout)
+        mask, _sum = _mcore.roll_left(mask, cp_group, layout)
         out.append((labels, mask))
     return out
+
+
+def packed_layout(packed_seq_params: Any) -> Any:
+    """``packed_seq_params`` whose ``cu_seqlens_q`` / ``_kv`` are the padded layout, for mcore's MTP rolls.
+
+    mcore's ``roll_tensor`` (loss targets, and the MTP layers' shifted input ids) reads
+    ``cu_seqlens_q`` as the layout of the packed row. Returns the argument itself when it has no
+    distinct padded layout; otherwise a copy with the padded bounds (and ``max_seqlen`` covering
+    them). Real tokens precede the padding of each slot, so causal attention over a whole slot
+    gives the real tokens the same result.
+    """
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    unpadded = packed_seq_params.cu_seqlens_q
+    if padded is None or padded is unpadded:
+        return packed_seq_params
+    if padded.shape != unpadded.shape:
+        raise bad_argument(
+            "packed_seq_params", "cu_seqlens_q_padded shaped like cu_seqlens_q", f"{tuple(padded.shape)} and {tuple(unpadded.shape)}"
+        )
+    if torch.equal(padded, unpadded.to(padded.device)):
+        return packed_seq_params
+    kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
+    widest = int((padded[1:] - padded[:-1]).max()) if padded.numel() > 1 else 0
+    return dataclasses.replace(
+        packed_seq_params,
+        cu_seqlens_q=padded,
+        cu_seqlens_kv=padded if kv_padded is None else kv_padded,
+        max_seqlen_q=max(packed_seq_params.max_seqlen_q or 0, widest),
+        max_seqlen_kv=max(packed_seq_params.max_seqlen_kv or 0, widest),
+    )
+
+
+def _without_empty_slots(layout: Any) -> Any:
+    """``layout`` minus zero-length slots, which hold no token but make mcore's CP roll index an
+    empty chunk (``IndexError`` in 0.16.1)."""
+    bounds = layout.cu_seqlens_q
+    kept = torch.unique_consecutive(bounds)
+    return layout if kept.numel() == bounds.numel() else dataclasses.replace(layout, cu_seqlens_q=kept)
+
+
+def _real_tokens(packed_seq_params: Any, length: int, cp_group: Any, device: torch.device) -> Tensor:
+    """``[length]`` float: 1 at this rank's positions that hold a real token of some sequence."""
+    unpadded = packed_seq_params.cu_seqlens_q
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    bounds = (unpadded if padded is None else padded).tolist()
+    lengths = (unpadded[1:] - unpadded[:-1]).tolist()
+    cp, cp_rank = _mcore.group_size(cp_group), _mcore.group_rank(cp_group)
+    real = torch.zeros(length, dtype=torch.float32, device=device)
+    for start, end, tokens in zip(bounds[:-1], bounds[1:], lengths):
+        slot = end - start
+        if not 0 <= tokens <= slot:
+            raise bad_argument(
+                "packed_seq_params", "sequence lengths (cu_seqlens_q) within their padded slots (cu_seqlens_q_padded)", f"{tokens} tokens in a slot of {slot}"
+            )
+        if slot % (2 * cp if cp > 1 else 1) or start % cp:
+            raise bad_argument("packed_seq_params", f"slots divisible into 2 * cp = {2 * cp} chunks", f"slot [{start}, {end})")
+        if end // cp > length:
+            raise bad_argument("packed_seq_params", f"slots within the {length} tokens of this rank", f"slot [{start}, {end})")
+        if cp == 1:
+            real[start : start + tokens] = 1
+            continue
+        chunk = slot // (2 * cp)
+        offsets = torch.cat(
+            [
+                torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device),
+            ]
+        )
+        real[start // cp : start // cp + 2 * chunk] = (offsets < tokens).float()
+    return real

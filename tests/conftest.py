@@ -35,3 +35,13 @@ def clean_mtp_process_state() -> Iterator[None]:
     yield
     MTPLossLoggingHelper.tracker.clear()
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread() -> Iterator[None]:
+    """One intra-op thread for modules of many tiny models: on a loaded 2-core machine, handing
+    each small matmul to a second thread costs more than the matmul (measured ~10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,7 +7,10 @@ Test-only support. Three things keep stock mcore code off CUDA on a CPU machine:
   ``"cpu"``. The library under test never relies on this.
 * ``SDPAttention``: mcore's local ``DotProductAttention`` builds CUDA masks; this module is a
   causal scaled-dot-product attention with the same call signature, honouring packed
-  sequences (``cu_seqlens``) by masking across sequence boundaries.
+  sequences (``cu_seqlens``, padded or not) by masking across sequence boundaries and context
+  parallelism (mcore's load-balanced split) by gathering keys and values over the CP group.
+* ``cuda_calls_on_cpu``: for the few places (pipeline schedules, tied embeddings across
+  pipeline stages) that hard-code ``device="cuda"`` or call ``.cuda()``.
 * ``init_parallel``: a gloo process group and mcore's ``parallel_state``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import socket
 from typing import Any, Iterator, Optional
@@ -22,6 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -30,6 +35,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -42,6 +49,61 @@ def cuda_current_device_is_cpu() -> Iterator[None]:
         yield
     finally:
         torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Turns ``device="cuda"`` of tensor factories into CPU and ``Tensor.cuda()`` into a no-op."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and str(device).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu() -> Iterator[None]:
+    """While open, tensors that mcore creates with ``device="cuda"`` or moves with ``.cuda()`` stay on CPU.
+
+    Needed by mcore's pipeline schedules (a token counter made on ``"cuda"``) and by tied or MTP
+    embeddings on a later pipeline stage (``setup_embeddings_and_output_layer`` calls ``.cuda()``).
+    Every torch call goes through this mode, so open it only where those paths run.
+    """
+    with _CudaToCpu():
+        yield
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch ``LayerNorm`` for sequence-parallel CPU models (mcore's ``WrappedTorchNorm`` refuses SP).
+
+    Marks its parameters ``sequence_parallel`` as Apex's and TE's norms do, so mcore knows their
+    gradients are partial sums over the sequence shards of the TP group.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "LayerNorm":
+            raise NotImplementedError(f"SequenceParallelLayerNorm: normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        for parameter in self.parameters():
+            parameter.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _replace_module_class(spec: Any, old: type, new: type, seen: Optional[set[int]] = None) -> Any:
+    """Replace ``old`` by ``new`` wherever it appears as a module class in an mcore spec tree (in place)."""
+    seen = set() if seen is None else seen
+    if id(spec) in seen:
+        return spec
+    seen.add(id(spec))
+    if isinstance(spec, list):
+        spec[:] = [new if item is old else _replace_module_class(item, old, new, seen) for item in spec]
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            value = getattr(spec, field.name)
+            setattr(spec, field.name, new if value is old else _replace_module_class(value, old, new, seen))
+    return spec
 
 
 class SDPAttention(MegatronModule):
@@ -61,6 +123,7 @@ class SDPAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
+        self.cp_group = getattr(pg_collection, "cp", None)
 
     def forward(
         self,
@@ -72,6 +135,8 @@ class SDPAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
+        if query.dim() == 3:  # THD packed sequences: [t, heads, d], batch dimension 1
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         # [s, b, heads, d] -> [b, heads, s, d]
         s, b, heads, d = query.shape
         if key.shape[2] != heads:  # grouped-query attention
@@ -79,15 +144,66 @@ class SDPAttention(MegatronModule):
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask = torch.ones(s, s, dtype=torch.bool, device=query.device).tril()
+        # Positions in the full (packed) row of this rank's queries and of the keys.
+        positions = key_positions = torch.arange(s, device=query.device)
+        bounds = None
         if packed_seq_params is not None:
-            segment = torch.zeros(s, dtype=torch.long, device=query.device)
-            bounds = packed_seq_params.cu_seqlens_q
-            for start in bounds[1:-1].tolist():
-                segment[start:] += 1
-            mask = mask & (segment[:, None] == segment[None, :])
+            # Sequence i occupies [bounds[i], bounds[i + 1]) of the packed layout; with padding
+            # the layout is cu_seqlens_q_padded and each sequence's padding follows its tokens.
+            bounds = packed_seq_params.cu_seqlens_q_padded
+            if bounds is None:
+                bounds = packed_seq_params.cu_seqlens_q
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            # Context parallel: of every sequence this rank holds chunks r and 2cp-1-r of 2cp
+            # (mcore's load-balanced split); keys and values come from every rank.
+            cp = self.cp_group.size()
+            layout = s * cp if bounds is None else bounds.tolist()
+            positions = context_parallel_positions(layout, self.cp_group.rank(), cp, device=query.device)
+            if positions.numel() != s:
+                raise NotImplementedError(f"SDPAttention: {s} local tokens, but the packed layout gives this rank {positions.numel()}")
+            key_positions = torch.cat([context_parallel_positions(layout, r, cp, device=query.device) for r in range(cp)])
+            k, v = (_GatherSequence.apply(t, self.cp_group) for t in (k, v))
+        mask = positions[:, None] >= key_positions[None, :]
+        if bounds is not None:
+            starts = bounds[1:-1].to(device=query.device, dtype=positions.dtype)
+            query_segment = torch.bucketize(positions, starts, right=True)
+            key_segment = torch.bucketize(key_positions, starts, right=True)
+            mask = mask & (query_segment[:, None] == key_segment[None, :])
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+def context_parallel_positions(layout: int | list[int], cp_rank: int, cp_size: int, device: Any = None) -> Tensor:
+    """Positions (in the full row) that CP rank ``cp_rank`` holds, in its local order.
+
+    Of every sequence the rank holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` equal chunks (mcore's
+    load-balanced split). ``layout`` is the row length (one sequence) or the packed sequence
+    boundaries ``[0, b1, ..., total]`` (``cu_seqlens``, padded where there is padding).
+    """
+    bounds = [0, layout] if isinstance(layout, int) else layout
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        parts.append(torch.arange(start + cp_rank * chunk, start + (cp_rank + 1) * chunk, device=device))
+        parts.append(torch.arange(start + (2 * cp_size - 1 - cp_rank) * chunk, start + (2 * cp_size - cp_rank) * chunk, device=device))
+    return torch.cat(parts)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather ``[b, heads, s, d]`` along ``s`` over a group; backward sums the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.group.size(), dim=2)[ctx.group.rank()].contiguous(), None
 
 
 def _free_port() -> int:
@@ -169,17 +285,131 @@ class TinyGPT:
         config = self.config()
         spec = get_gpt_layer_local_spec()
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        vp_stage = model_kwargs.get("vp_stage")
         mtp_spec = None
         if self.mtp_num_layers:
-            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+            # None on pipeline stages (and virtual stages) without the MTP layers.
+            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+        decoder_spec: Any = spec
+        if config.sequence_parallel:
+            layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+            decoder_spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=WrappedTorchNorm)
+            for tree in (decoder_spec, mtp_spec):
+                _replace_module_class(tree, WrappedTorchNorm, SequenceParallelLayerNorm)
         return GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=decoder_spec,
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
             share_embeddings_and_output_weights=self.tied,
             position_embedding_type=self.position_embedding_type,
             mtp_block_spec=mtp_spec,
+            **model_kwargs,
+        )
+
+
+def _hybrid_mtp_missing() -> Optional[str]:
+    """Why this mcore cannot build a ``HybridModel`` with MTP layers, or ``None``."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: F401
+    except ImportError:
+        return "megatron.core.models.hybrid.HybridModel is missing (megatron-core < 0.18)"
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    if "hybrid_submodules" not in inspect.signature(MultiTokenPredictionLayer.__init__).parameters:
+        return "MultiTokenPredictionLayer has no hybrid_submodules (no HybridModel MTP in this megatron-core)"
+    return None
+
+
+HYBRID_MTP_MISSING: Optional[str] = _hybrid_mtp_missing()
+
+
+@dataclasses.dataclass
+class TinyHybrid(TinyGPT):
+    """Shape of a tiny ``HybridModel`` with MTP layers: attention (``*``) and MLP (``-``) layers only.
+
+    The decoder pattern alternates attention and MLP (``num_layers`` must be even) and each MTP
+    depth is one attention and one MLP layer: ``"*-*-/*-/*-"`` for 4 layers and 2 depths, so no
+    Mamba kernel is needed. Layers are the local (no Transformer Engine) ones of ``TinyGPT``.
+    ``HybridStack`` hard-codes Transformer Engine's norm for the decoder's final norm, so the tiny
+    decoder goes without it (``post_layer_norm=False``); every MTP layer keeps its own norms.
+    """
+
+    num_layers: int = 4
+
+    @property
+    def pattern(self) -> str:
+        return "*-" * (self.num_layers // 2) + "/*-" * (self.mtp_num_layers or 0)
+
+    def config(self) -> TransformerConfig:
+        config = super().config()
+        config.is_hybrid_model = True
+        return config
+
+    def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
+        """Build the model with a fixed seed, so two builds are identical twins."""
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        from megatron.core.ssm.mlp_layer import MLPLayer
+        from megatron.core.transformer.multi_token_prediction import (
+            MultiTokenPredictionBlock,
+            MultiTokenPredictionBlockSubmodules,
+            MultiTokenPredictionLayer,
+            MultiTokenPredictionLayerSubmodules,
+        )
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+        if HYBRID_MTP_MISSING is not None:
+            raise RuntimeError(HYBRID_MTP_MISSING)
+        if self.num_layers % 2:
+            raise ValueError(f"TinyHybrid needs an even num_layers, got {self.num_layers}")
+        torch.manual_seed(seed)
+        config = self.config()
+        local = get_gpt_layer_local_spec()
+        local.submodules.self_attention.submodules.core_attention = SDPAttention
+        parts = local.submodules
+        gpt_mtp_layer = get_gpt_mtp_block_spec(config, local, use_transformer_engine=False).layer_specs[0].submodules
+        attention = ModuleSpec(
+            module=TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda
+            ),
+        )
+        mlp = ModuleSpec(
+            module=MLPLayer,
+            submodules=TransformerLayerSubmodules(pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda),
+        )
+        mtp_layer = ModuleSpec(
+            module=MultiTokenPredictionLayer,
+            submodules=MultiTokenPredictionLayerSubmodules(
+                enorm=gpt_mtp_layer.enorm,
+                hnorm=gpt_mtp_layer.hnorm,
+                eh_proj=gpt_mtp_layer.eh_proj,
+                mtp_model_layer=None,  # built by the layer from the pattern and the stack's submodules
+                layer_norm=gpt_mtp_layer.layer_norm,
+            ),
+        )
+        stack = ModuleSpec(
+            module=HybridStack,
+            submodules=HybridStackSubmodules(
+                attention_layer=attention,
+                mlp_layer=mlp,
+                mtp_block_spec=ModuleSpec(
+                    module=MultiTokenPredictionBlock,
+                    submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
+                ),
+            ),
+            params={"post_layer_norm": False},
+        )
+        return HybridModel(
+            config=config,
+            hybrid_stack_spec=stack,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            hybrid_layer_pattern=self.pattern,
+            share_embeddings_and_output_weights=self.tied,
+            position_embedding_type=self.position_embedding_type,
             **model_kwargs,
         )
 
@@ -247,7 +477,8 @@ def stock_mtp_losses() -> list[float]:
     """Per-depth MTP losses stock mcore recorded in its tracker (then clears it)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    values = MTPLossLoggingHelper.tracker.get("values")
+    # The tracker key is "values" up to 0.18 and "loss_values" from 0.19 (which also counts acceptance).
+    values = MTPLossLoggingHelper.tracker.get("loss_values", MTPLossLoggingHelper.tracker.get("values"))
     out = [] if values is None else values.tolist()
     MTPLossLoggingHelper.tracker.clear()
     return out
@@ -282,3 +513,46 @@ def assert_same_grads(
             assert other is None or not other.any(), f"{name}: one gradient is None, the other is not zero"
             continue
         torch.testing.assert_close(grad, ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def hooked_train_step(model: torch.nn.Module, hooks: Any, batch: Batch) -> Tensor:
+    """With ``mtp_hooks``: logits out under ``micro_batch``; backward of the same masked mean. Returns logits."""
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = model(*batch.model_args)
+    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    return logits.detach()
+
+
+def stock_main_only_step(model: GPTModel, batch: Batch) -> Tensor:
+    """Stock mcore with the MTP loss weighted 0 (and all-ones MTP mask, so no 0/0): main-head gradients only."""
+    factor = model.config.mtp_loss_scaling_factor
+    model.config.mtp_loss_scaling_factor = 0.0
+    try:
+        per_token = model(*batch.model_args, labels=batch.labels)
+    finally:
+        model.config.mtp_loss_scaling_factor = factor
+    loss = masked_mean(per_token, batch.loss_mask)
+    loss.backward()
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def output_layer_calls(model: GPTModel) -> Iterator[list[Tensor]]:
+    """Record every ``output_layer`` output (detached ``[s, b, V]`` logits) while the context is open.
+
+    In a stock training forward the calls are depth 1 .. N of MTP, then the main head.
+    """
+    calls: list[Tensor] = []
+    handle = model.output_layer.register_forward_hook(lambda m, a, out: calls.append(out[0].detach().clone()))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def rolled(tensor: Tensor, k: int) -> Tensor:
+    """Reference roll: ``out[..., t] = tensor[..., t + k]``, zero where ``t + k`` is past the end."""
+    out = torch.zeros_like(tensor)
+    if k < tensor.shape[-1]:
+        out[..., : tensor.shape[-1] - k] = tensor[..., k:]
+    return out
