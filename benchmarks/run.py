@@ -99,13 +99,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANT_LABELS)}")
     rounds = args.rounds or config.rounds
+    config = dataclasses.replace(config, rounds=rounds)
     if args.repeats is not None:
         config = dataclasses.replace(config, repeats=args.repeats)
     if args.chunk_size is not None:
         config = dataclasses.replace(config, chunk_size=args.chunk_size)
     extra = [f"--repeats={config.repeats}"] + ([] if config.chunk_size is None else [f"--chunk-size={config.chunk_size}"])
     out_dir = pathlib.Path(args.out) / config.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     shapes = len(config.shapes())
     jobs = [(r, variants[r % len(variants):] + variants[: r % len(variants)]) for r in range(rounds)]  # rotate order
     total = rounds * len(variants) * shapes * 2 + (0 if args.no_idle else 1)  # time and memory phases
@@ -114,9 +116,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for round_index, order in jobs:
             for variant in order:
                 out = pathlib.Path(scratch) / f"r{round_index}-{variant}.json"
-                runs.append(_run_variant(config, variant, out, out_dir / f"{variant}.log", bar, extra))
+                runs.append(_run_variant(config, variant, out, logs / f"{variant}.log", bar, extra))
         if not args.no_idle:
-            runs.append(_run_variant(config, "idle", pathlib.Path(scratch) / "idle.json", out_dir / "idle.log", bar, extra))
+            runs.append(_run_variant(config, "idle", pathlib.Path(scratch) / "idle.json", logs / "idle.log", bar, extra))
     result = report.aggregate(config, runs)
     png = out_dir / f"bench_{config.name}.png"
     report.plot(config, result, str(png))

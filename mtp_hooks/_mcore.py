@@ -29,9 +29,13 @@ from torch import Tensor, nn
 from megatron.core import parallel_state
 from megatron.core.transformer import multi_token_prediction as _mtp
 
+from mtp_hooks.errors import MTPHooksError
+
 MTPLossAutoScaler = _mtp.MTPLossAutoScaler
 
 _ROLL_PARAMETERS = frozenset(inspect.signature(_mtp.roll_tensor).parameters)
+# 0.16.1+: ``roll_tensor`` rolls packed (THD) sequences one by one; before, mcore refuses THD with MTP.
+ROLLS_PACKED_SEQUENCES: bool = "packed_seq_params" in _ROLL_PARAMETERS
 
 # 0.16.1+: ``roll_tensor(..., packed_seq_params=)`` rolls inside each packed (THD) sequence; before
 # that the MTP layers themselves assert that no packed sequences come in.
@@ -108,7 +112,10 @@ def roll_left(
         kwargs["cp_group"] = cp_group
     if packed_seq_params is not None:
         if "packed_seq_params" not in _ROLL_PARAMETERS:
-            raise AssertionError("packed sequences need megatron-core >= 0.16.1 for MTP")
+            raise MTPHooksError(
+                "packed_seq_params: packed sequences (THD) with MTP need megatron-core >= 0.16.1, whose roll_tensor "
+                "respects sequence boundaries (earlier releases assert THD out for MTP); use unpacked [b, s] batches"
+            )
         kwargs["packed_seq_params"] = packed_seq_params
     return _mtp.roll_tensor(tensor, shifts=-1, dims=-1, **kwargs)
 

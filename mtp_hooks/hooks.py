@@ -14,6 +14,26 @@ No class or instance method is replaced. Per forward of the language model:
 * with ``detach_encoder``, a pre-hook on each MTP layer swaps its ``embedding`` for a
   ``DetachedEmbedding`` proxy and detaches the depth-0 trunk hidden states;
 * an ``always_call`` forward hook restores every swapped attribute, also when forward raises.
+
+Parallel layouts (mcore's own groups and rolls; nothing to configure):
+
+* TP / SP: returned logits stay vocab-parallel ``[b, s, V/tp]`` (full ``V`` with
+  ``runtime_gather_output=True``); the MTP head's CE, argmax acceptance and metrics reduce over
+  the TP group, and with sequence parallelism the head input is gathered along the sequence
+  first, as ``ColumnParallelLinear`` does.
+* CP: ``labels`` / ``loss_mask`` are the rank's part of mcore's load-balanced split and MTP
+  targets roll across CP ranks (``mtp_targets``). As in stock mcore 0.16.1, each depth is
+  normalised by the masked-token count of *this* CP rank, not of the whole sequence; with
+  ``config.calculate_per_token_loss`` nothing is normalised per rank, so the CP ranks' losses
+  and gradients add up to the whole sequence's.
+* Packed THD (``packed_seq_params``): targets stay inside each sequence. When
+  ``cu_seqlens_q_padded`` differs from ``cu_seqlens_q``, a pre-hook on the MTP block hands it
+  the padded layout as ``cu_seqlens_q`` (``targets.packed_layout``), because mcore shifts the
+  MTP layers' input ids by ``cu_seqlens_q`` and would otherwise shift across sequences.
+* Pipeline (and virtual pipeline): attach to every model chunk; labels are only read on the
+  chunk with the output layer, which must also hold the MTP layers (mcore's default placement).
+  On a later stage with tied embeddings, an inference forward keeps the word-embedding copy as
+  the output weight although ``mtp_process`` is off.
 """
 
 from __future__ import annotations
@@ -186,8 +206,9 @@ class MTPHooks:
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
-        argmax is the label) and ``mtp_k/tokens``, over the training micro-batches since the last
-        reset. Local to this rank (identical across TP ranks). Empty if nothing was trained."""
+        argmax is the label) and ``mtp_k/tokens``, over the training forwards completed since the
+        last reset (a forward that raised counts for nothing). Local to this rank (identical
+        across TP ranks). Empty if nothing was trained."""
         return self._metrics.read(reset)
 
     def remove(self) -> None:
@@ -487,8 +508,11 @@ def attach(
         with hooks.micro_batch(labels=labels, loss_mask=loss_mask):
             logits = model(input_ids, position_ids, attention_mask)   # [b, s, V/tp]
 
-    If a forward raises, every swapped attribute is restored by an ``always_call`` hook and the
-    targets of that forward are dropped.
+    If a forward raises, every swapped attribute is restored by an ``always_call`` hook, the
+    targets of that forward are dropped and its metrics are not counted.
+
+    One thread at a time per model: a ``micro_batch`` or forward from a second thread while one
+    is open or in flight raises ``MTPHooksError``. Separate models may run in separate threads.
     """
     language_model = _find_language_model(model)
     config = language_model.config
@@ -503,10 +527,12 @@ def attach(
             "a model without mtp_hooks attached (remove() the first hooks before attaching again)",
             f"a {type(language_model).__name__} with mtp_hooks already attached",
         )
-    if language_model.post_process and not language_model.mtp_process:
+    if bool(language_model.post_process) != bool(language_model.mtp_process):
+        # A custom pipeline_model_parallel_layout can put the MTP layers on an earlier stage
+        # ("mtp_standalone"): their output then travels to the output layer's stage over p2p.
         raise MTPHooksError(
             "model: the MTP layers sit on another pipeline stage than the output layer (custom pipeline layout); "
-            "mtp_hooks needs them on the same stage"
+            "mtp_hooks needs them on the same stage, the last one (the default without a layout)"
         )
     for name, value in (("detach_encoder", detach_encoder), ("detach_head", detach_head)):
         if not isinstance(value, bool):

@@ -21,8 +21,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 ProcessGroup = Optional[dist.ProcessGroup]
+
+_MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
 
 
 def _size(group: ProcessGroup) -> int:
@@ -150,6 +153,7 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
         return objective, ce, correct
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
         hidden_grad, hidden, weight, local, in_shard, token_weight, lse = ctx.saved_tensors
         d_hidden = None
@@ -157,9 +161,11 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
             d_hidden = hidden_grad * grad_objective.to(hidden_grad.dtype)
         d_weight = None
         if weight is not None:
-            # Vocabulary slices with as many logits as a forward chunk; each gives its rows of dW.
+            # Vocabulary slices with as many logits as a forward chunk, and at most a quarter of the
+            # shard (backward runs while the model's activation gradients are live); each slice
+            # gives its own rows of dW.
             tokens, shard = hidden.shape[0], weight.shape[0]
-            columns = max(1, -(-ctx.chunk_size * shard // max(tokens, 1)))
+            columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
             scaled = token_weight * grad_objective.to(lse.dtype)
             d_weight = torch.empty_like(weight)
             for first in range(0, shard, columns):

@@ -3,8 +3,9 @@
 Test-only support. ``SpawnedGroup(world_size)`` starts ``world_size`` processes once; each one
 opens a gloo process group with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_PORT`` in its environment
 and then waits for work. ``group.run(scenario, layout, **kwargs)`` makes every rank call
-``tests.mcore_cpu.init_parallel(**layout)`` and ``scenario(**kwargs)`` inside
-``cuda_current_device_is_cpu()``, and returns the per-rank results. A scenario that raises on
+``tests.mcore_cpu.init_parallel(**layout)`` (skipped when mcore's groups already have that
+layout) and ``scenario(**kwargs)`` inside ``cuda_current_device_is_cpu()``, and returns the
+per-rank results. A scenario that raises on
 any rank fails the caller with that rank's traceback; since the other ranks may then wait
 forever in a collective, the whole group is shut down and the next ``run`` starts a fresh one.
 
@@ -47,6 +48,60 @@ def _reset_process_state(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_LAYOUT_DEFAULTS = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+}
+
+
+def _current_layout() -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+    }
+
+
+def _release_model_parallel_groups() -> None:
+    """Destroy the gloo groups mcore's ``parallel_state`` holds (it only forgets them itself).
+
+    Each layout creates a few dozen groups with their own sockets; without this a long-lived
+    rank runs out of file descriptors after a few dozen layouts.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    found: dict[int, Any] = {}
+    pending: list[Any] = list(vars(ps).values())
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dist.ProcessGroup):
+            found[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    for group in found.values():
+        if group is not dist.GroupMember.WORLD:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+
+
+def _use_layout(layout: dict[str, Any]) -> None:
+    """``init_parallel(**layout)``, unless mcore's groups already have that layout."""
+    from tests.mcore_cpu import init_parallel
+
+    if {**_LAYOUT_DEFAULTS, **layout} == _current_layout():
+        return
+    _release_model_parallel_groups()
+    init_parallel(**layout)
+
+
 def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -73,13 +128,12 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
             module_name, name, layout, kwargs, seed = message
             try:
                 scenario = getattr(importlib.import_module(module_name), name)
-                init_parallel(**layout)
+                _use_layout(layout)
                 _reset_process_state(seed)
                 conn.send(("ok", scenario(**kwargs)))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
-        with contextlib.suppress(Exception):
-            torch.distributed.destroy_process_group()
+    # No destroy_process_group(): it waits for the other ranks; the process exit frees everything.
 
 
 class SpawnedGroup:
@@ -143,9 +197,10 @@ class SpawnedGroup:
         for conn in self._conns:
             with contextlib.suppress(Exception):
                 conn.send(None)
+        deadline = time.monotonic() + 1.0
         for process in self._processes:
-            process.join(timeout=2.0)
-            if process.is_alive():
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():  # nothing to lose: the ranks keep no state worth a clean exit
                 process.kill()
                 process.join(timeout=5.0)
         for conn in self._conns:

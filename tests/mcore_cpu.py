@@ -119,11 +119,13 @@ class SDPAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
-        self.cp_group = getattr(pg_collection, "cp", None)
+        # The process groups arrive as ``pg_collection`` (0.15+) or ``model_comm_pgs`` (0.14).
+        groups = pg_collection if pg_collection is not None else kwargs.get("model_comm_pgs")
+        self.cp_group = getattr(groups, "cp", None)
 
     def forward(
         self,
@@ -473,15 +475,32 @@ def main_ce_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none").view(b, s)
 
 
+def tracked_mtp_losses() -> Optional[Tensor]:
+    """The per-depth MTP loss sums in stock mcore's tracker (``None`` before any), left in place.
+
+    The tracker key is ``"values"`` up to 0.18 and ``"loss_values"`` from 0.19 (which also
+    records acceptance counts under other keys).
+    """
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    return tracker.get("loss_values", tracker.get("values"))
+
+
 def stock_mtp_losses() -> list[float]:
     """Per-depth MTP losses stock mcore recorded in its tracker (then clears it)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    # The tracker key is "values" up to 0.18 and "loss_values" from 0.19 (which also counts acceptance).
-    values = MTPLossLoggingHelper.tracker.get("loss_values", MTPLossLoggingHelper.tracker.get("values"))
+    values = tracked_mtp_losses()
     out = [] if values is None else values.tolist()
     MTPLossLoggingHelper.tracker.clear()
     return out
+
+
+def mtp_inner_layer(layer: torch.nn.Module) -> torch.nn.Module:
+    """The transformer layer inside an MTP layer: ``transformer_layer`` up to 0.16, ``mtp_model_layer`` from 0.17."""
+    inner = getattr(layer, "mtp_model_layer", None)
+    return inner if inner is not None else layer.transformer_layer
 
 
 def stock_train_step(model: torch.nn.Module, batch: Batch) -> Tensor:

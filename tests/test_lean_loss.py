@@ -19,6 +19,7 @@ from typing import Optional
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -221,6 +222,47 @@ def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:
     assert saved, "the weight gradient needs hidden and weight"
     logits_numel = 12 * 29
     assert max(t.numel() for t in saved) < logits_numel, [tuple(t.shape) for t in saved]
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any op produces while active (forward and backward alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, Tensor):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_chunked_lean_never_materialises_a_full_logits_tensor() -> None:
+    tokens, hidden_size, vocab, chunk = 32, 8, 64, 8
+    case = make_case(seed=14, tokens=tokens, hidden=hidden_size, vocab=vocab)
+    hidden, weight = case.leaves()
+    probe = LargestOutput()
+    with probe:
+        objective, _, _ = lean_linear_cross_entropy(hidden, weight, case.labels, case.token_weight, None, chunk)
+        objective.backward()
+    assert weight.grad is not None and hidden.grad is not None
+    # A forward chunk holds chunk * V logits; a backward vocabulary slice as many, over all tokens.
+    assert probe.largest <= max(chunk * vocab, vocab * hidden_size), probe.largest
+    assert probe.largest < tokens * vocab
+
+
+def test_weight_gradient_recompute_holds_at_most_a_quarter_of_the_logits_even_with_one_chunk() -> None:
+    tokens, hidden_size, vocab = 32, 8, 64
+    case = make_case(seed=15, tokens=tokens, hidden=hidden_size, vocab=vocab)
+    hidden, weight = case.leaves()
+    objective, _, _ = lean_linear_cross_entropy(hidden, weight, case.labels, case.token_weight, None, tokens + 1)
+    probe = LargestOutput()
+    with probe:
+        objective.backward()
+    assert weight.grad is not None
+    assert probe.largest <= max(tokens * vocab // 4, vocab * hidden_size), probe.largest
 
 
 def test_nothing_requires_grad_gives_values_without_graph() -> None:

@@ -8,7 +8,8 @@ Every test here is skipped, with the missing feature named, on releases without 
 * 0.19: ``config.mtp_detach_heads`` (MTP heads on a detached output weight, MTP layers on detached
   embeddings and trunk states) and ``config.mtp_grad_scale_func`` (the schedule's scale for
   ``MTPLossAutoScaler``) give the hooked model stock's gradients.
-* 0.17+: ``config.mtp_use_repeated_layer`` (one MTP layer applied at every depth) gives stock's
+* 0.17+: a depth without targets adds a finite 0 (token count clamped at 1), as the hooks do;
+  ``config.mtp_use_repeated_layer`` (one MTP layer applied at every depth) gives stock's
   gradients; ``config.use_mup`` (MuP-scaled MTP logits) is refused at ``attach``.
 * 0.18+: ``output_processor`` replaces the main output-layer call and is refused in a training
   micro-batch.
@@ -83,6 +84,29 @@ def test_stock_trains_mtp_on_a_labels_free_forward_and_the_hooks_do_not() -> Non
     stock_main_only_step(reference, batch)
     assert all(grad is None or not grad.any() for grad in mtp_grads(hooked).values())
     assert_same_grads(hooked, reference)
+
+
+# ----------------------------------------------------------- 0.17+: clamped MTP token count
+
+
+@pytest.mark.skipif(
+    not _mcore.PER_TOKEN_LOSS_RESCALED,
+    reason="process_mtp_loss is missing: this megatron-core divides by an unclamped token count (NaN, "
+    "pinned by test_side_by_side.py::test_depths_without_targets_contribute_nothing_where_stock_gives_nan)",
+)
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per_token"])
+def test_depths_without_targets_match_stock_where_it_clamps(per_token: bool) -> None:
+    """Only position 0 unmasked, so no depth has a target: stock 0.17+ adds a finite 0, as the hooks do."""
+    shape = TinyGPT(vocab_size=VOCAB, config_overrides={"calculate_per_token_loss": per_token})
+    stock, hooked = shape.build(seed=19), shape.build(seed=19)
+    batch = make_batch(VOCAB, mask="zeros")
+    batch.loss_mask[:, 0] = 1
+    stock_train_step(stock, batch)
+    hooks = mtp_hooks.attach(hooked)
+    hooked_train_step(hooked, hooks, batch)
+    assert all(grad is None or torch.isfinite(grad).all() for grad in grads_of(stock).values())
+    assert_same_grads(hooked, stock)
+    assert hooks.metrics()["mtp_1/tokens"] == 0
 
 
 # --------------------------------------------------------------------- 0.19: config switches

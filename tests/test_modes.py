@@ -32,6 +32,7 @@ from tests.mcore_cpu import (
     main_ce_from_logits,
     make_batch,
     masked_mean,
+    mtp_inner_layer,
     output_layer_calls,
     stock_mtp_losses,
     stock_train_step,
@@ -180,7 +181,7 @@ def test_recompute_with_detached_encoder_equals_no_recompute(detach_head: bool) 
     hooks_r, hooks_p = mtp_hooks.attach(recomputed, **options), mtp_hooks.attach(plain, **options)
     batches = [make_batch(VOCAB, seed=seed) for seed in range(2)]
     for batch in batches:
-        with calls_of(recomputed.mtp.layers[0].transformer_layer) as runs:
+        with calls_of(mtp_inner_layer(recomputed.mtp.layers[0])) as runs:
             logits_r = hooked_train(recomputed, hooks_r, batch)
         assert len(runs) == 2, f"expected forward + recompute of the MTP layer, got {len(runs)} runs"
         logits_p = hooked_train(plain, hooks_p, batch)
@@ -210,7 +211,7 @@ def test_recompute_without_detach_equals_stock_recompute(loss_impl: str) -> None
     assert stock_mtp_losses() == pytest.approx(stock_losses)
     assert_same_grads(stock, plain_stock)  # guard: recompute itself changes nothing in stock
     hooks = mtp_hooks.attach(hooked, loss_impl=loss_impl)
-    with calls_of(hooked.mtp.layers[1].transformer_layer) as runs:
+    with calls_of(mtp_inner_layer(hooked.mtp.layers[1])) as runs:
         hooked_train(hooked, hooks, batch)
     assert len(runs) == 2
     assert_same_grads(hooked, stock)

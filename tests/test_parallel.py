@@ -1,8 +1,23 @@
-"""mtp_hooks against stock mcore at every parallel layout, on two CPU processes (gloo)."""
+"""mtp_hooks against stock mcore at every parallel layout, on two CPU processes (gloo).
+
+Every scenario runs on both ranks of one spawned group (``tests.distributed``): it builds a
+stock model and a hooked twin with the same seed at the layout (checking their state dicts are
+equal), runs the same micro-batch through both and compares, rank by rank, the main logits
+(vocabulary shards with TP), the per-depth MTP losses (stock: mcore's tracker) and every
+parameter's gradient. Layouts: TP=2, TP=2 with sequence parallelism, CP=2 (mcore's
+load-balanced split, attention over the whole sequence), packed THD sequences (padded and not,
+with TP=2 and with CP=2), PP=2 and PP=2 x VPP=2 through mcore's pipeline schedules.
+
+MTP loss normalisation with CP: stock mcore 0.16.1 divides each depth's masked CE sum by the
+masked-token count of *this CP rank* (no reduction over CP), and so do the hooks (the parity
+tests pin it). With ``calculate_per_token_loss`` nothing is divided per rank, and the CP ranks'
+objectives add up to the whole sequence's: ``test_context_parallel_adds_up_to_the_whole_sequence``
+checks that against a CP=1 run of the full sequence (logits, CE sums, token counts; gradients
+up to 0.16.1, since 0.17.1 rescales the per-token MTP loss by each rank's own token counts).
+"""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -10,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from mtp_hooks import _mcore
 from tests.distributed import SpawnedGroup
 from tests.mcore_cpu import (
     Batch,
@@ -19,11 +35,17 @@ from tests.mcore_cpu import (
     grads_of,
     make_batch,
     masked_mean,
+    output_layer_calls,
     rolled,
     stock_mtp_losses,
+    tracked_mtp_losses,
 )
 
 SEED = 1234
+needs_packed_mtp = pytest.mark.skipif(
+    not _mcore.ROLLS_PACKED_SEQUENCES,
+    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
+)
 
 
 # ------------------------------------------------------------------ helpers run on every rank
@@ -41,24 +63,9 @@ def _build_twins(shape: TinyGPT, **model_kwargs: Any) -> tuple[nn.Module, nn.Mod
     return stock, twin
 
 
-@contextlib.contextmanager
-def _recording_output_layer(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Copies of every logits tensor the output layer produces (before mcore's CE writes into it)."""
-    calls: list[Tensor] = []
-
-    def record(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        calls.append(output[0].detach().clone())
-
-    handle = model.output_layer.register_forward_hook(record)
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
 def _stock_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Tensor, loss_mask: Optional[Tensor]) -> dict[str, Any]:
     """Stock mcore training step: labels in, per-token loss out, backward of the masked mean."""
-    with _recording_output_layer(model) as calls:
+    with output_layer_calls(model) as calls:
         per_token = model(*args, labels=labels, loss_mask=loss_mask, **kwargs)
     loss = masked_mean(per_token, loss_mask)
     loss.backward()
@@ -179,11 +186,12 @@ def _per_token_step(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -
     return logits.detach(), hooks.metrics()
 
 
-def scenario_context_parallel_whole_sequence(loss_impl: str) -> None:
-    """CP=2 against CP=1 on the full sequence: logits, summed CE and tokens, summed gradients.
+def scenario_context_parallel_whole_sequence(loss_impl: str, gradients: bool) -> None:
+    """CP=2 against CP=1 on the full sequence: logits, summed CE and token counts per depth and,
+    with ``gradients``, summed gradients.
 
-    With ``calculate_per_token_loss`` nothing is normalised per rank, so the CP ranks' objectives
-    add up to the full-sequence objective and their gradients add up to its gradients.
+    With ``calculate_per_token_loss`` mcore up to 0.16.1 normalises nothing per rank, so the CP
+    ranks' objectives add up to the full-sequence objective and their gradients to its gradients.
     """
     from megatron.core import parallel_state
 
@@ -208,6 +216,8 @@ def scenario_context_parallel_whole_sequence(loss_impl: str) -> None:
         torch.distributed.all_reduce(sums, group=cp_group)
         expected = [reference_metrics[f"mtp_{k}/loss"] * reference_metrics[f"mtp_{k}/tokens"], reference_metrics[f"mtp_{k}/tokens"]]
         torch.testing.assert_close(sums, torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=1e-6)
+    if not gradients:
+        return
     for name, parameter in model.named_parameters():
         grad = parameter.grad.detach().clone()
         torch.distributed.all_reduce(grad, group=cp_group)
@@ -268,8 +278,6 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
     """
     from functools import partial
 
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     from tests.mcore_cpu import cuda_calls_on_cpu
 
     # Unbatched p2p: with two ranks and VPP each rank both sends activations to and gradients
@@ -301,11 +309,12 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
             targets = {"labels": batch.labels, "loss_mask": batch.loss_mask} if model.post_process or labels_on_every_stage else {}
             if not model.post_process:
                 return model(*batch.model_args, **targets), None
-            before = MTPLossLoggingHelper.tracker.get("values", torch.zeros(depth)).clone()
-            with _recording_output_layer(model) as calls:
+            tracked = tracked_mtp_losses()
+            before = torch.zeros(depth) if tracked is None else tracked.clone()
+            with output_layer_calls(model) as calls:
                 per_token = model(*batch.model_args, **targets)
             stock_logits.append(calls[-1].transpose(0, 1))
-            stock_mtp.append((MTPLossLoggingHelper.tracker["values"] - before).tolist())
+            stock_mtp.append((tracked_mtp_losses() - before).tolist())
             return per_token, partial(_masked_sum_loss, batch.loss_mask)
 
         hooked_logits: list[Tensor] = []
@@ -433,10 +442,8 @@ def scenario_packed_context_parallel(padded: bool, loss_impl: str) -> dict[str, 
 
     cp_rank = parallel_state.get_context_parallel_rank()
     shape = TinyGPT()
-    real = [7, 3, 8, 1]
-    slot = [8, 4, 8, 4] if padded else [8, 4, 8, 4]
-    if not padded:
-        real = slot
+    slot = [8, 4, 8, 4]  # divisible into 2cp = 4 chunks, as mcore's CP split of THD needs
+    real = [7, 3, 8, 1] if padded else slot
     batch, given, layout = _packed_batch(shape.vocab_size, real, slot, seed=8)
     local = _slice_packed(batch, layout, cp_rank, 2)
     stock, hooked = _build_twins(shape)
@@ -447,11 +454,12 @@ def scenario_packed_context_parallel(padded: bool, loss_impl: str) -> dict[str, 
     return {"tokens": hooked_out["tokens"]}
 
 
-def scenario_targets_context_parallel(examples: int) -> int:
+def scenario_targets_context_parallel(examples: int, packed: bool) -> int:
     """``mtp_targets`` with a CP group against the brute-force reference on the full row.
 
-    Random packed rows (slots divisible by 2cp, random real lengths and masks) and plain rows;
-    every rank checks its own part, so boundary tokens must come from the other rank.
+    Random plain ``[b, s]`` rows, or packed rows (slots divisible by 2cp, random real lengths,
+    padded or not, masks or none); every rank checks its own part, so boundary tokens must come
+    from the other rank. Returns how many counted targets were compared.
     """
     import random
 
@@ -466,7 +474,7 @@ def scenario_targets_context_parallel(examples: int) -> int:
     for example in range(examples):
         depth = rng.randint(1, 4)
         gen = torch.Generator().manual_seed(example)
-        if example % 4 == 0:  # plain [b, s] rows
+        if not packed:
             s = 4 * rng.randint(1, 4)
             labels = torch.randint(0, 50, (2, s), generator=gen)
             loss_mask = (torch.rand(2, s, generator=gen) > 0.3).float()
@@ -542,7 +550,17 @@ def test_context_parallel_matches_stock(group: SpawnedGroup, loss_impl: str, per
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_context_parallel_adds_up_to_the_whole_sequence(group: SpawnedGroup, loss_impl: str) -> None:
-    group.run(scenario_context_parallel_whole_sequence, {}, loss_impl=loss_impl)
+    group.run(scenario_context_parallel_whole_sequence, {}, loss_impl=loss_impl, gradients=False)
+
+
+@pytest.mark.skipif(
+    _mcore.PER_TOKEN_LOSS_RESCALED,
+    reason="megatron-core >= 0.17.1 rescales the per-token MTP loss by this CP rank's token counts "
+    "(original / rolled), so the CP ranks' gradients no longer add up to the whole sequence's",
+)
+@pytest.mark.parametrize("loss_impl", ["lean", "dense"])
+def test_context_parallel_gradients_add_up_to_the_whole_sequence(group: SpawnedGroup, loss_impl: str) -> None:
+    group.run(scenario_context_parallel_whole_sequence, {}, loss_impl=loss_impl, gradients=True)
 
 
 PP2 = {"pipeline_model_parallel_size": 2}
@@ -557,6 +575,7 @@ def test_pipeline_schedule_matches_stock(group: SpawnedGroup, vpp: Optional[int]
     assert results[1]["mtp"] and all(len(losses) == 2 for losses in results[1]["mtp"])
 
 
+@needs_packed_mtp
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 @pytest.mark.parametrize("padded", [False, True], ids=["thd", "thd_padded"])
 def test_packed_sequences_match_stock_with_tensor_parallel(group: SpawnedGroup, padded: bool, loss_impl: str) -> None:
@@ -564,12 +583,46 @@ def test_packed_sequences_match_stock_with_tensor_parallel(group: SpawnedGroup, 
     assert results[0]["tokens"] == results[1]["tokens"]
 
 
+@needs_packed_mtp
 @pytest.mark.parametrize("padded", [False, True], ids=["thd", "thd_padded"])
 def test_packed_sequences_match_stock_with_context_parallel(group: SpawnedGroup, padded: bool) -> None:
     results = group.run(scenario_packed_context_parallel, CP2, padded=padded, loss_impl="lean")
     assert results[0]["tokens"] != results[1]["tokens"]
 
 
-def test_mtp_targets_with_context_parallel_follow_the_contract(group: SpawnedGroup) -> None:
-    checked = group.run(scenario_targets_context_parallel, CP2, examples=60)
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_packed_mtp)], ids=["bshd", "thd"])
+def test_mtp_targets_with_context_parallel_follow_the_contract(group: SpawnedGroup, packed: bool) -> None:
+    checked = group.run(scenario_targets_context_parallel, CP2, examples=40, packed=packed)
     assert min(checked) > 100  # enough targets were compared on both ranks
+
+
+def _stage_model(post_process: bool, with_mtp: bool) -> nn.Module:
+    """One stage of a custom pipeline layout, as mcore builds it (single process)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    from tests.mcore_cpu import SDPAttention
+
+    shape = TinyGPT()
+    config = shape.config()
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_sequence_length,
+        position_embedding_type="learned_absolute",
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if with_mtp else None,
+        post_process=post_process,
+    )
+
+
+@pytest.mark.parametrize(
+    ("post_process", "with_mtp"), [(True, False), (False, True)], ids=["output_stage_without_mtp", "mtp_stage_without_output"]
+)
+def test_mtp_on_another_stage_than_the_output_layer_is_refused(post_process: bool, with_mtp: bool) -> None:
+    model = _stage_model(post_process, with_mtp)
+    with pytest.raises(mtp_hooks.MTPHooksError, match="another pipeline stage than the output layer"):
+        mtp_hooks.attach(model)
+    assert mtp_hooks.hooks_of(model) is None

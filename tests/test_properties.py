@@ -29,7 +29,7 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -55,7 +55,9 @@ MASKS = ("random", "ones", "zeros", "last", "none")
 # bf16 matmuls but reduces in fp32, and the bf16 gradients are rounded at different points. bf16
 # keeps 8 significant bits (relative spacing 2**-7 = 0.0078); we allow two spacings relative, plus
 # an absolute term of 2**-7 times the largest reference gradient of that parameter for entries that
-# cancel to near zero. Measured worst case over the examples below: see BF16_* use.
+# cancel to near zero, and one spacing relative on the per-depth losses. Measured over 80 random
+# bf16 cases: worst gradient error 0.49 of this tolerance, i.e. at most 0.81% of the parameter's
+# largest gradient entry.
 BF16_RTOL = 2 * 2**-7
 BF16_ATOL_OF_MAX = 2**-7
 BF16_LOSS_RTOL = 2**-7
@@ -77,6 +79,7 @@ class Case:
     seed: int
 
     def spec(self, depth: Optional[int]) -> TinyGPT:
+        """Model shape with ``depth`` MTP layers, each depth weighted like one of ``self.depth``."""
         small = self.dtype == torch.bfloat16
         return TinyGPT(
             vocab_size=self.vocab,
@@ -91,6 +94,7 @@ class Case:
         )
 
     def micro_batch(self) -> Batch:
+        """The drawn micro-batch; with ``ignore_masked_labels``, masked-out labels become -100."""
         batch = make_batch(self.vocab, self.batch, self.seq, self.mask, seed=self.seed)
         if self.ignore_masked_labels and batch.loss_mask is not None:
             batch.labels = batch.labels.masked_fill(batch.loss_mask == 0, -100)
@@ -98,6 +102,7 @@ class Case:
 
 
 def cases(dtype: torch.dtype) -> st.SearchStrategy[Case]:
+    """Drawn examples; bf16 ones stay tiny (hidden 8, s <= 5, vocab <= 24)."""
     small = dtype == torch.bfloat16
     return st.builds(
         Case,
@@ -143,6 +148,7 @@ def attached_mtp_objectives(logits: Tensor) -> list[float]:
 
 
 def run_case(case: Case) -> None:
+    """Hooked model vs the stock reference described in the module docstring, on one micro-batch."""
     MTPLossLoggingHelper.tracker.clear()
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     batch = case.micro_batch()
@@ -175,18 +181,18 @@ def run_case(case: Case) -> None:
     bf16 = case.dtype == torch.bfloat16
     assert len(reference_losses) == kept
     for k in range(1, case.depth + 1):
+        tokens = batch.labels[:, k:].numel() if batch.loss_mask is None else batch.loss_mask[:, k:].sum().item()
+        assert metrics[f"mtp_{k}/tokens"] == tokens, f"depth {k}"
         if k <= kept:
             tolerance = dict(rel=BF16_LOSS_RTOL) if bf16 else dict(rel=1e-5, abs=1e-6)
             assert metrics[f"mtp_{k}/loss"] == pytest.approx(reference_losses[k - 1], **tolerance), f"depth {k}"
-            assert metrics[f"mtp_{k}/tokens"] >= 1
         else:
-            assert metrics[f"mtp_{k}/tokens"] == 0.0, f"depth {k}"
+            assert tokens == 0
             assert math.isnan(metrics[f"mtp_{k}/loss"]) and math.isnan(metrics[f"mtp_{k}/acc"]), f"depth {k}"
-    assert len(objectives) == case.depth
+    # The objectives riding on the logits: (factor / N) * loss_k, and exactly 0.0 for empty depths.
     assert all(math.isfinite(value) for value in objectives), objectives
-    assert sorted(objectives).count(0.0) >= case.depth - kept, objectives
-    if kept == 0:
-        assert objectives == [0.0] * case.depth
+    expected = [FACTOR / case.depth * loss for loss in reference_losses] + [0.0] * (case.depth - kept)
+    assert sorted(objectives) == pytest.approx(sorted(expected), rel=BF16_LOSS_RTOL if bf16 else 1e-5, abs=0.0)
 
     # Every gradient: finite; MTP layers without targets get none; the rest equal the reference.
     for name, param in hooked_inner.named_parameters():
@@ -225,13 +231,25 @@ def assert_grads_match(actual: nn.Module, expected: nn.Module, bf16: bool) -> No
 BOUNDED = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+ALL_MASKED = dict(batch=2, seq=4, depth=2, vocab=16, tied=False, mask="zeros", ignore_masked_labels=True, seed=0)
+SHORTER_THAN_DEPTH = dict(batch=1, seq=2, depth=3, vocab=16, tied=True, mask="last", ignore_masked_labels=False, seed=1)
+
+
 @settings(max_examples=40, **BOUNDED)
+@example(case=Case(**ALL_MASKED, loss_impl="lean", dtype=torch.float32))
+@example(case=Case(**ALL_MASKED, loss_impl="dense", dtype=torch.float32))
+@example(case=Case(**SHORTER_THAN_DEPTH, loss_impl="lean", dtype=torch.float32))
 @given(case=cases(torch.float32))
 def test_fp32_hooks_equal_stock_on_random_shapes_depths_heads_and_masks(case: Case) -> None:
+    """Logits bit-identical, losses and gradients within fp32 rounding; the explicit examples pin an
+    all-masked micro-batch (every MTP objective exactly 0.0, every gradient finite and zero, where
+    stock 0.16.1 gives NaN) and a sequence shorter than the MTP depth."""
     run_case(case)
 
 
 @settings(max_examples=12, **BOUNDED)
+@example(case=Case(**ALL_MASKED, loss_impl="lean", dtype=torch.bfloat16))
 @given(case=cases(torch.bfloat16))
 def test_bf16_hooks_equal_stock_within_bf16_tolerance(case: Case) -> None:
+    """Under ``Float16Module``: logits bit-identical, losses and gradients within the stated bf16 tolerance."""
     run_case(case)

@@ -300,6 +300,11 @@ def test_packed_sequences_differ_from_unpacked() -> None:
 # --------------------------------------------------------------- masks with nothing to learn
 
 
+@pytest.mark.skipif(
+    hasattr(gpt_model, "process_mtp_loss"),
+    reason="process_mtp_loss (megatron-core 0.17+) clamps the token count at 1: stock gives 0, not NaN "
+    "(parity there: test_mcore_versions.py::test_depths_without_targets_match_stock_where_it_clamps)",
+)
 def test_depths_without_targets_contribute_nothing_where_stock_gives_nan() -> None:
     """Only position 0 unmasked: every MTP target is masked. Stock divides 0 by 0; the hooks add 0."""
     stock, hooked, reference = twins(TinyGPT(vocab_size=VOCAB), n=3)

@@ -22,8 +22,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 import mtp_hooks
+from mtp_hooks import _mcore
 
 BOUNDED = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+needs_packed_mtp = pytest.mark.skipif(
+    not _mcore.ROLLS_PACKED_SEQUENCES,
+    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
+)
 
 
 @dataclasses.dataclass
@@ -112,6 +117,7 @@ def packed_cases(draw: st.DrawFn) -> tuple[Tensor, Optional[Tensor], int, list[S
     return labels, loss_mask, depth, slots, padded
 
 
+@needs_packed_mtp
 @settings(max_examples=150, **BOUNDED)
 @given(case=packed_cases())
 def test_packed_targets_follow_the_contract(case: tuple[Tensor, Optional[Tensor], int, list[Slot], bool]) -> None:
@@ -138,14 +144,17 @@ def test_unpacked_targets_follow_the_contract(b: int, s: int, depth: int, with_m
 def stock_rolls(labels: Tensor, loss_mask: Tensor, depth: int, packed: Optional[PackedSeqParams]) -> list[tuple[Tensor, Tensor]]:
     """What stock mcore 0.16.1's ``_postprocess`` computes: ``roll_tensor`` once more per depth."""
     out, mask = [], loss_mask
+    extra = {} if packed is None else {"packed_seq_params": packed}
     for _ in range(depth):
-        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=packed)
-        mask, _ = roll_tensor(mask, shifts=-1, dims=-1, packed_seq_params=packed)
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, **extra)
+        mask, _ = roll_tensor(mask, shifts=-1, dims=-1, **extra)
         out.append((labels, mask))
     return out
 
 
-@pytest.mark.parametrize("layout", ["unpacked", "packed", "packed_padded_equal"])
+@pytest.mark.parametrize(
+    "layout", ["unpacked", pytest.param("packed", marks=needs_packed_mtp), pytest.param("packed_padded_equal", marks=needs_packed_mtp)]
+)
 def test_targets_are_stock_rolls_where_stock_is_well_defined(layout: str) -> None:
     gen = torch.Generator().manual_seed(4)
     labels = torch.randint(0, 50, (1, 14), generator=gen)
@@ -161,6 +170,7 @@ def test_targets_are_stock_rolls_where_stock_is_well_defined(layout: str) -> Non
         assert torch.equal(labels_k, stock_labels)
 
 
+@needs_packed_mtp
 def test_stock_rolls_cross_sequences_on_padded_layouts_where_targets_do_not() -> None:
     """Why ``mtp_targets`` rolls by ``cu_seqlens_q_padded``: stock rolls by the unpadded lengths.
 
@@ -181,6 +191,7 @@ def test_stock_rolls_cross_sequences_on_padded_layouts_where_targets_do_not() ->
     assert actual[0][1][0].tolist() == [1, 1, 0, 0, 1, 1, 0, 0]
 
 
+@needs_packed_mtp
 def test_padding_never_becomes_a_target_even_when_the_mask_covers_it() -> None:
     slots = [Slot(0, 4, 2), Slot(4, 4, 4)]
     labels = torch.arange(8).unsqueeze(0)
@@ -221,3 +232,9 @@ def test_sequence_longer_than_its_padded_slot_is_refused() -> None:
     packed = dataclasses.replace(packed, cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(mtp_hooks.MTPHooksError, match="within their padded slots"):
         mtp_hooks.mtp_targets(torch.zeros(1, 4, dtype=torch.long), None, 1, packed_seq_params=packed)
+
+
+@pytest.mark.skipif(_mcore.ROLLS_PACKED_SEQUENCES, reason="this megatron-core rolls packed sequences (0.16.1+)")
+def test_packed_sequences_are_refused_before_megatron_core_0_16_1() -> None:
+    with pytest.raises(mtp_hooks.MTPHooksError, match="need megatron-core >= 0.16.1"):
+        mtp_hooks.mtp_targets(torch.zeros(1, 4, dtype=torch.long), None, 1, packed_seq_params=packed_params([Slot(0, 4, 4)], False))
