@@ -6,7 +6,8 @@ layers keep training on the same micro-batch; ``remove()`` restores stock mcore 
 
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.hooks import MTPHooks, attach, attached, hooks_of
+from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.targets import mtp_targets
 
-__all__ = ["MTPHooks", "MTPHooksError", "attach", "attached", "hooks_of", "mtp_targets"]
+__all__ = ["MTPHooks", "MTPHooksError", "TokenLogProbs", "attach", "attached", "hooks_of", "mtp_targets"]
 __version__ = "0.1.0"

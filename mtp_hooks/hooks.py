@@ -58,12 +58,15 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError, bad_argument, describe
-from mtp_hooks.loss import argmax_matches, lean_linear_cross_entropy
+from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
+from mtp_hooks.loss import OBJECTIVES, argmax_matches, lean_mtp_loss
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.proxies import ConfigView, DetachedEmbedding
-from mtp_hooks.targets import mtp_targets, packed_layout
+from mtp_hooks.targets import align_with_depths, mtp_targets, packed_layout
 
 LossImpl = Literal["lean", "dense"]
+Objective = Literal["ce", "distill", "tv"]
+Output = Literal["logits", "logprobs"]
 _STATE_KEY = "_mtp_hooks"
 _LOGITS_CHUNK_BYTES = 256 * 2**20
 
@@ -92,6 +95,9 @@ class _Forward:
     metrics: list[tuple[int, Tensor, Tensor, Tensor]] = dataclasses.field(default_factory=list)
     # Set when switching ``mtp_process`` off changed ``shared_embedding_or_output_weight()``.
     output_weight: Optional[Tensor] = None
+    # ``output="logprobs"``: the labels the main head is scored on, and what the forward returns.
+    head_labels: Optional[Tensor] = None
+    head_output: Optional[TokenLogProbs] = None
 
     @property
     def train(self) -> bool:
@@ -149,8 +155,18 @@ class MTPHooks:
         loss_scale: Optional[float],
         loss_impl: LossImpl,
         chunk_size: Optional[int],
+        objective: Objective = "ce",
+        agreement_metrics: bool = False,
+        output: Output = "logits",
+        entropy: bool = False,
+        temperature: float = 1.0,
     ) -> None:
         self._model_ref = weakref.ref(model)
+        self.objective = objective
+        self.agreement_metrics = agreement_metrics or objective != "ce"
+        self.output = output
+        self.entropy = entropy
+        self.temperature = temperature
         self.detach_encoder = detach_encoder
         self.detach_head = detach_head
         self.loss_impl = loss_impl
@@ -266,6 +282,10 @@ class MTPHooks:
             packed_seq_params=self._argument(args, kwargs, "packed_seq_params"),
             restore=[(model, "config", model.config)],
         )
+        if self.output == "logprobs" and model.post_process:
+            if targets is None:
+                raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
+            state.head_labels = targets.labels
         if not train and model.mtp_process:
             tied = model.post_process and getattr(model, "share_embeddings_and_output_weights", False)
             weight = model.shared_embedding_or_output_weight() if tied else None
@@ -295,10 +315,11 @@ class MTPHooks:
                 "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
                 "received the MTP block's output (a path that bypasses module hooks?)"
             )
-        if output is not None:  # ``None``: forward raised, and its micro-batch counts for nothing
-            for entry in state.metrics:
-                self._metrics.add(*entry)
-        return None
+        if output is None:  # forward raised, and its micro-batch counts for nothing
+            return None
+        for entry in state.metrics:
+            self._metrics.add(*entry)
+        return state.head_output
 
     def _on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
         state = self._forward
@@ -306,22 +327,25 @@ class MTPHooks:
             return None
         if state.output_weight is not None:  # inference forward, see ``_on_model_pre``
             kwargs["weight"] = state.output_weight
-            return args, kwargs
-        if not state.train or state.attached:
-            return None
-        hidden = args[0]
-        chunks = torch.chunk(hidden, 1 + self.depth, dim=0)
-        if len(chunks) != 1 + self.depth or chunks[-1].shape != chunks[0].shape:
-            raise AssertionError(
-                f"mtp_hooks: output layer input {tuple(hidden.shape)} does not split into 1 + {self.depth} equal chunks"
-            )
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
-        detach = self.detach_head or _mcore.config_detaches_heads(self.model.config)
-        main = self._attach_mtp_losses(layer, chunks, weight.detach() if detach else weight, state)
-        state.attached = True
-        return (main, *args[1:]), kwargs
+        hidden = args[0]
+        if state.train and not state.attached:
+            chunks = torch.chunk(hidden, 1 + self.depth, dim=0)
+            if len(chunks) != 1 + self.depth or chunks[-1].shape != chunks[0].shape:
+                raise AssertionError(
+                    f"mtp_hooks: output layer input {tuple(hidden.shape)} does not split into 1 + {self.depth} equal chunks"
+                )
+            detach = self.detach_head or _mcore.config_detaches_heads(self.model.config)
+            hidden = self._attach_mtp_losses(layer, chunks, weight.detach() if detach else weight, state)
+            state.attached = True
+        elif state.head_labels is None:
+            return (args, kwargs) if state.output_weight is not None else None
+        if state.head_labels is not None and state.head_output is None:
+            state.head_output = self._head_logprobs(layer, hidden, weight, state.head_labels)
+            hidden = hidden[:1]  # mcore's own head call still runs, on one position; its logits are dropped
+        return (hidden, *args[1:]), kwargs
 
     def _on_mtp_block_pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
         """Give the MTP layers the padded layout of a packed batch, so their shifted input ids stay
@@ -368,19 +392,58 @@ class MTPHooks:
         )
         loss_mask = state.targets.loss_mask
         original_tokens = state.targets.labels.new_tensor(state.targets.labels.numel()) if loss_mask is None else loss_mask.sum()
+        teachers: list[Optional[Tensor]] = [None] * self.depth
+        if self.agreement_metrics:
+            teachers = list(self._main_head_inputs(layer, chunks[0], state))
         main = chunks[0]
-        for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
+        for k, (chunk, (labels_k, mask_k), teacher) in enumerate(zip(chunks[1:], targets, teachers)):
             tokens = mask_k.sum()
             coef = _mcore.depth_coefficient(depth_scale, per_token, original_tokens, tokens)
-            objective, ce_sum, correct = self._depth_loss(layer, chunk, weight, labels_k, mask_k, coef, state)
+            objective, *sums = self._depth_loss(layer, chunk, weight, labels_k, mask_k, coef, state, teacher)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
-            state.metrics.append((k, ce_sum, tokens, correct))
+            state.metrics.append((k, sums[0], tokens, *sums[1:]))
         return main
 
+    def _main_head_inputs(self, layer: nn.Module, main: Tensor, state: _Forward) -> list[Tensor]:
+        """Per depth k, the main head's (detached, SP-gathered) input at position t + k, for the
+        draft objectives and agreement metrics (``targets.align_with_depths``)."""
+        with torch.no_grad():
+            if getattr(layer, "sequence_parallel", False):
+                main = gather_from_sequence_parallel_region(main, group=_mcore.tp_group_of(layer))
+            return align_with_depths(
+                main, self.depth, packed_seq_params=state.packed_seq_params, cp_group=_mcore.cp_group_of(self.model)
+            )
+
+    def _head_logprobs(self, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:
+        """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``."""
+        tp_group = _mcore.tp_group_of(layer)
+        full = self._head_input(layer, hidden, tp_group)
+        s, b = full.shape[0], full.shape[1]
+        out = lean_logprobs(
+            full.reshape(s * b, -1),
+            weight,
+            labels.t().reshape(-1),
+            tp_group,
+            self.chunk_size or _auto_chunk_size(weight.shape[0]),
+            self.temperature,
+            self.entropy,
+        )
+        as_bs = lambda t: t.view(s, b).t()  # noqa: E731
+        return TokenLogProbs(as_bs(out.logprobs), None if out.entropy is None else as_bs(out.entropy))
+
     def _depth_loss(
-        self, layer: nn.Module, chunk: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, coef: Any, state: _Forward
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """(objective carrying grad, detached masked CE sum, masked correct count) of one depth."""
+        self,
+        layer: nn.Module,
+        chunk: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        mask: Tensor,
+        coef: Any,
+        state: _Forward,
+        teacher: Optional[Tensor] = None,
+    ) -> tuple[Tensor, ...]:
+        """(objective carrying grad, detached masked CE sum, masked correct count[, masked argmax
+        agreements, masked expected acceptance with a ``teacher``]) of one depth."""
         tp_group = _mcore.tp_group_of(layer)
         labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
         if self.loss_impl == "dense":
@@ -396,15 +459,20 @@ class MTPHooks:
         hidden = self._head_input(layer, chunk, tp_group)
         chunk_size = self.chunk_size or _auto_chunk_size(weight.shape[0])
         mask_flat = mask_sb.reshape(-1)
-        objective, ce, correct = lean_linear_cross_entropy(
+        out = lean_mtp_loss(
             hidden.reshape(-1, hidden.shape[-1]),
             weight,
             labels_sb.reshape(-1),
             mask_flat * coef,
             tp_group,
             chunk_size,
+            self.objective,
+            None if teacher is None else teacher.reshape(-1, teacher.shape[-1]),
         )
-        return objective, (ce * mask_flat).sum(), (correct * mask_flat).sum()
+        sums = [out.objective, (out.ce * mask_flat).sum(), (out.correct * mask_flat).sum()]
+        if out.agree is not None and out.accept is not None:
+            sums += [(out.agree * mask_flat).sum(), (out.accept * mask_flat).sum()]
+        return tuple(sums)
 
     @staticmethod
     def _head_input(layer: nn.Module, hidden: Tensor, tp_group: Any) -> Tensor:
@@ -477,6 +545,11 @@ def attach(
     loss_scale: Optional[float] = None,
     loss_impl: LossImpl = "lean",
     chunk_size: Optional[int] = None,
+    objective: Objective = "ce",
+    agreement_metrics: bool = False,
+    output: Output = "logits",
+    entropy: bool = False,
+    temperature: float = 1.0,
 ) -> MTPHooks:
     """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
 
@@ -495,6 +568,20 @@ def attach(
             computes them with the output layer, as stock mcore does.
         chunk_size: tokens per chunk of the lean loss; ``None`` keeps a chunk's fp32 logits
             near 256 MiB.
+        objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
+            labels. ``"distill"``: cross-entropy against the main head's detached distribution at
+            the position predicting the same token. ``"tv"``: total variation to that
+            distribution, i.e. 1 - expected speculative-sampling acceptance.
+        agreement_metrics: also report per depth ``mtp_k/agree`` (MTP argmax equals the main
+            head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``);
+            costs one more head matmul per depth in forward (lean only; implied by
+            ``"distill"`` / ``"tv"``).
+        output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
+            ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
+            log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;
+            every forward then needs labels (training or not).
+        entropy: with ``output="logprobs"``, also return the per-token entropy.
+        temperature: with ``output="logprobs"``, divide the main head's logits by it.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
@@ -545,6 +632,23 @@ def attach(
         raise bad_argument("loss_impl", "'lean' or 'dense'", describe(loss_impl))
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise bad_argument("chunk_size", "None or an int >= 1", describe(chunk_size))
+    if objective not in OBJECTIVES:
+        raise bad_argument("objective", f"one of {OBJECTIVES}", describe(objective))
+    for name, value in (("agreement_metrics", agreement_metrics), ("entropy", entropy)):
+        if not isinstance(value, bool):
+            raise bad_argument(name, "a bool", describe(value))
+    if loss_impl == "dense" and (objective != "ce" or agreement_metrics):
+        raise bad_argument(
+            "loss_impl", "'lean' for objective 'distill' / 'tv' and for agreement_metrics (dense keeps stock's CE)", "'dense'"
+        )
+    if output not in ("logits", "logprobs"):
+        raise bad_argument("output", "'logits' or 'logprobs'", describe(output))
+    if entropy and output != "logprobs":
+        raise bad_argument("entropy", "False unless output='logprobs'", True)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise bad_argument("temperature", "a float > 0", describe(temperature))
+    if temperature != 1.0 and output != "logprobs":
+        raise bad_argument("temperature", "1.0 unless output='logprobs' (logits are mcore's own)", describe(temperature))
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:
         raise MTPHooksError("model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)")
     hooks = MTPHooks(
@@ -554,6 +658,11 @@ def attach(
         loss_scale=None if loss_scale is None else float(loss_scale),
         loss_impl=loss_impl,
         chunk_size=chunk_size,
+        objective=objective,
+        agreement_metrics=agreement_metrics,
+        output=output,
+        entropy=entropy,
+        temperature=float(temperature),
     )
     hooks._install(language_model)
     language_model.__dict__[_STATE_KEY] = hooks

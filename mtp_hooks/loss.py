@@ -1,22 +1,24 @@
-"""Vocab-parallel cross-entropy for the MTP heads, dense and lean.
+"""Vocab-parallel losses for the MTP heads, dense and lean.
 
 Knows nothing about hooks or models: hidden states, head weight, labels, token weights and the
-tensor-parallel group go in; a scalar objective ``sum(token_weight * CE)`` plus detached per-token
-CE and "argmax equals label" flags come out. Logits shards are ``[tokens, V/tp]``; the full
-vocabulary is reduced over ``tp_group`` (max, sum of exponentials, target logit).
+tensor-parallel group go in; a scalar objective ``sum(token_weight * loss)`` plus detached
+per-token statistics come out. Logits shards are ``[tokens, V/tp]``; every reduction over the
+vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group``.
 
 * ``argmax_matches`` scores logits that the caller computed (dense path; the CE itself is mcore's).
-* ``LeanLinearCrossEntropy`` never keeps logits for backward: it walks the tokens in chunks,
-  computes the hidden-state gradient during forward (the objective's upstream gradient is a
-  scalar, so it is known up to that factor) and, when the head weight needs a gradient,
-  recomputes the logits in backward one vocabulary slice at a time; each slice yields its own
-  rows of the weight gradient with one matmul over all tokens, so there is no accumulator and
-  the result is rounded once, as in the dense path.
+* ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks, computes the
+  hidden-state gradient during forward (the objective's upstream gradient is a scalar, so it is
+  known up to that factor) and, when the head weight needs a gradient, recomputes the logits in
+  backward one vocabulary slice at a time; each slice yields its own rows of the weight gradient
+  with one matmul over all tokens, so there is no accumulator and the result is rounded once, as
+  in the dense path. Objectives: ``"ce"`` on the labels, and, against the main head's
+  distribution at the matching position (the teacher), ``"distill"`` and ``"tv"``; with a
+  teacher it also reports argmax agreement and expected speculative acceptance.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,44 +69,124 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_statistics(
-    logits: Tensor, local: Tensor, in_shard: Tensor, tp_group: ProcessGroup
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log-sum-exp, target logit, correct, sum of exponentials) of one chunk of vocab-parallel logits.
+Objective = Literal["ce", "distill", "tv"]
+OBJECTIVES: tuple[str, ...] = ("ce", "distill", "tv")
+_NO_INDEX = torch.iinfo(torch.long).max
 
-    Overwrites ``logits`` with ``exp(logits - row max)``, so the caller can form the softmax
-    from it without a second exponential pass.
+
+def _global_argmax(logits: Tensor, row_max: Tensor, group: ProcessGroup) -> Tensor:
+    """Candidate full-vocabulary argmax of each row; reduce with MIN over the group (lowest index wins ties)."""
+    values, index = logits.max(dim=-1)
+    return torch.where(values == row_max, index + _rank(group) * logits.shape[-1], _NO_INDEX)
+
+
+def _logit_grad(
+    objective: str,
+    q: Tensor,
+    p: Optional[Tensor],
+    sign_q: Optional[Tensor],
+    local: Tensor,
+    in_shard: Tensor,
+    token_weight: Tensor,
+    first: int = 0,
+) -> Tensor:
+    """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``q``.
+
+    ``q``: the MTP head's softmax on those columns; ``p``: the main head's (teacher) softmax;
+    ``sign_q``: per token ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only).
     """
-    row_max = _all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
-    picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-    sum_exp = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
-    target, sum_exp = _all_reduce(torch.stack([picked, sum_exp]), tp_group).unbind(0)
-    return row_max + sum_exp.log(), target, target >= row_max, sum_exp
+    w = token_weight.unsqueeze(-1)
+    if objective == "ce":  # softmax - onehot
+        grad = q.mul_(w)
+        columns = grad.shape[-1]
+        index = local - first
+        inside = in_shard & (index >= 0) & (index < columns)
+        return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), (-(token_weight * inside)).unsqueeze(-1))
+    assert p is not None
+    if objective == "distill":  # q - p
+        return q.sub_(p).mul_(w)
+    assert sign_q is not None  # tv: 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
+    return torch.sign(q - p).sub_(sign_q.unsqueeze(-1)).mul_(q).mul_(0.5 * w)
 
 
-def _subtract_targets(grad: Tensor, local: Tensor, in_shard: Tensor, token_weight: Tensor, first: int = 0) -> Tensor:
-    """``grad[t, label_t - first] -= token_weight[t]`` where the label is one of ``grad``'s columns.
+class _Chunk:
+    """Per-token statistics of one chunk of tokens over the full (vocab-parallel) vocabulary.
 
-    ``grad`` holds the shard's vocabulary columns ``first .. first + grad.shape[-1]``.
+    Fills ``lse``, ``ce``, ``correct``, ``loss`` and, with a teacher, ``lse_teacher``,
+    ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``sign_q``; ``q`` and ``p``
+    are the chunk's local softmax columns.
     """
-    columns = grad.shape[-1]
-    index = local - first
-    inside = in_shard & (index >= 0) & (index < columns)
-    return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), (-(token_weight * inside)).unsqueeze(-1))
+
+    def __init__(
+        self, logits: Tensor, teacher_logits: Optional[Tensor], local: Tensor, in_shard: Tensor, objective: str, group: ProcessGroup
+    ) -> None:
+        maxima = [logits.max(dim=-1).values]
+        if teacher_logits is not None:
+            maxima.append(teacher_logits.max(dim=-1).values)
+        maxima = _all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
+        row_max = maxima[0]
+        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
+        if teacher_logits is not None:
+            agree_index = _global_argmax(logits, row_max, group)
+            agree_index = torch.stack([agree_index, _global_argmax(teacher_logits, maxima[1], group)])
+        shifted = logits.sub_(row_max.unsqueeze(-1))
+        exp = shifted.exp() if objective == "distill" else shifted.exp_()
+        sums = [picked, exp.sum(dim=-1)]
+        if teacher_logits is not None:
+            teacher_exp = teacher_logits.sub_(maxima[1].unsqueeze(-1)).exp_()
+            sums.append(teacher_exp.sum(dim=-1))
+        sums = _all_reduce(torch.stack(sums), group)
+        self.lse = row_max + sums[1].log()
+        self.ce = self.lse - sums[0]
+        self.correct = sums[0] >= row_max
+        self.loss = self.ce
+        self.q = exp.div_(sums[1].unsqueeze(-1))
+        self.p: Optional[Tensor] = None
+        self.sign_q: Optional[Tensor] = None
+        if teacher_logits is None:
+            return
+        self.lse_teacher = maxima[1] + sums[2].log()
+        self.p = p = teacher_exp.div_(sums[2].unsqueeze(-1))
+        q = self.q
+        extra = [torch.minimum(p, q).sum(dim=-1)]
+        if objective == "distill":
+            extra.append((p * shifted).sum(dim=-1))
+        elif objective == "tv":
+            sign = torch.sign(q - p)
+            extra += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
+        extra = _all_reduce(torch.stack(extra), group)
+        self.accept = extra[0]
+        self.agree = torch.eq(*_all_reduce(agree_index, group, dist.ReduceOp.MIN))
+        if objective == "distill":  # cross-entropy against p: lse - sum p z
+            self.loss = sums[1].log() - extra[1]
+        elif objective == "tv":  # 0.5 * sum |q - p|
+            self.sign_q, self.loss = extra[1], 0.5 * extra[2]
 
 
-def _logit_grad(logits: Tensor, lse: Tensor, local: Tensor, in_shard: Tensor, token_weight: Tensor, first: int) -> Tensor:
-    """d(sum token_weight * CE)/d logits for a slice of vocabulary columns, written over ``logits``."""
-    grad = logits.sub_(lse.unsqueeze(-1)).exp_().mul_(token_weight.unsqueeze(-1))
-    return _subtract_targets(grad, local, in_shard, token_weight, first)
+class HeadLoss(NamedTuple):
+    """Outputs of ``lean_mtp_loss``; all but ``objective`` are detached ``[T]`` tensors."""
+
+    objective: Tensor
+    ce: Tensor
+    correct: Tensor
+    agree: Optional[Tensor]
+    accept: Optional[Tensor]
 
 
-class LeanLinearCrossEntropy(torch.autograd.Function):
-    """``sum(token_weight * CE(hidden @ weight.T, labels))`` without keeping logits for backward.
+class LeanMTPLoss(torch.autograd.Function):
+    """``sum(token_weight * loss(hidden @ weight.T))`` without keeping logits for backward.
 
     Inputs: ``hidden`` ``[T, H]`` (already gathered / copied into the TP region by the caller),
-    ``weight`` ``[V/tp, H]``, ``labels`` ``[T]``, ``token_weight`` ``[T]`` (0 where masked).
-    Outputs: the scalar objective, detached per-token CE ``[T]`` and correct flags ``[T]``.
+    ``weight`` ``[V/tp, H]``, ``labels`` ``[T]``, ``token_weight`` ``[T]`` (0 where masked) and,
+    optionally, ``teacher`` ``[T, H]``: the main head's input at the position whose next token
+    the MTP head predicts too (its logits use ``weight`` detached). ``objective``: ``"ce"`` (CE
+    on the labels), ``"distill"`` (CE against the teacher's softmax p) or ``"tv"`` (total
+    variation ``0.5 sum |q - p|`` = 1 - expected speculative acceptance); the last two need a
+    teacher. Outputs: the scalar objective, per-token CE on the labels and correct flags and,
+    with a teacher, per-token argmax agreement and expected acceptance ``sum min(p, q)``.
+
+    The hidden-state gradient is computed during forward (the objective's upstream gradient is
+    a scalar); the weight gradient recomputes logits in backward, one vocabulary slice at a time.
     """
 
     @staticmethod
@@ -114,48 +196,57 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
         weight: Tensor,
         labels: Tensor,
         token_weight: Tensor,
+        teacher: Optional[Tensor],
         tp_group: ProcessGroup,
         chunk_size: int,
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        objective: str,
+    ) -> tuple[Tensor, ...]:
         tokens = hidden.shape[0]
         acc_dtype = _accumulation_dtype(hidden.dtype)
         local, in_shard = _shard_targets(labels, weight.shape[0], tp_group)
         token_weight = token_weight.to(acc_dtype)
-        need_hidden_grad = ctx.needs_input_grad[0]
-        need_weight_grad = ctx.needs_input_grad[1]
-        lse = torch.empty(tokens, dtype=acc_dtype, device=hidden.device)
-        ce = torch.empty_like(lse)
-        correct = torch.empty(tokens, dtype=torch.bool, device=hidden.device)
+        need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        teacher_weight = weight.detach()
+        new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
+        lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
+        lse_teacher, sign_q, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype)
+        correct, agree = new(torch.bool), new(torch.bool)
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, tokens))
             logits = (hidden[rows] @ weight.t()).to(acc_dtype)
-            lse[rows], target, correct[rows], sum_exp = _chunk_statistics(logits, local[rows], in_shard[rows], tp_group)
-            ce[rows] = lse[rows] - target
+            teacher_logits = None if teacher is None else (teacher[rows] @ teacher_weight.t()).to(acc_dtype)
+            chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group)
+            lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
+            if teacher is not None:
+                lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
+                if chunk.sign_q is not None:
+                    sign_q[rows] = chunk.sign_q
             if need_hidden_grad:
-                # logits now hold exp(logits - row max): one multiply turns them into weighted softmax.
-                grad = logits.mul_((token_weight[rows] / sum_exp).unsqueeze(-1))
-                grad = _subtract_targets(grad, local[rows], in_shard[rows], token_weight[rows])
+                grad = _logit_grad(objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], token_weight[rows])
                 hidden_grad[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-        objective = (ce * token_weight).sum()
-        ctx.chunk_size = chunk_size
-        ctx.tp_group = tp_group
+        result = (loss * token_weight).sum()
+        keep_teacher = need_weight_grad and objective != "ce"
+        ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
         ctx.save_for_backward(
             hidden_grad if need_hidden_grad else None,
             hidden if need_weight_grad else None,
             weight if need_weight_grad else None,
+            teacher if keep_teacher else None,
             local,
             in_shard,
             token_weight,
             lse,
+            lse_teacher,
+            sign_q,
         )
-        ctx.mark_non_differentiable(ce, correct)
-        return objective, ce, correct
+        ctx.mark_non_differentiable(ce, correct, agree, accept)
+        return result, ce, correct, agree, accept
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
-        hidden_grad, hidden, weight, local, in_shard, token_weight, lse = ctx.saved_tensors
+        hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, sign_q = ctx.saved_tensors
         d_hidden = None
         if hidden_grad is not None:
             d_hidden = hidden_grad * grad_objective.to(hidden_grad.dtype)
@@ -170,10 +261,36 @@ class LeanLinearCrossEntropy(torch.autograd.Function):
             d_weight = torch.empty_like(weight)
             for first in range(0, shard, columns):
                 cols = slice(first, min(first + columns, shard))
-                logits = (hidden @ weight[cols].t()).to(lse.dtype)
-                grad = _logit_grad(logits, lse, local, in_shard, scaled, first)
+                q = (hidden @ weight[cols].t()).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+                p = None
+                if teacher is not None:
+                    p = (teacher @ weight[cols].t()).to(lse.dtype).sub_(lse_teacher.unsqueeze(-1)).exp_()
+                grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
                 torch.mm(grad.to(weight.dtype).t(), hidden, out=d_weight[cols])
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
+
+
+def lean_mtp_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    token_weight: Tensor,
+    tp_group: ProcessGroup,
+    chunk_size: int,
+    objective: str = "ce",
+    teacher: Optional[Tensor] = None,
+) -> HeadLoss:
+    """Functional form of ``LeanMTPLoss`` (see there); ``agree`` / ``accept`` are ``None`` without a teacher."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective != "ce" and teacher is None:
+        raise ValueError(f"objective {objective!r} needs a teacher")
+    result, ce, correct, agree, accept = LeanMTPLoss.apply(
+        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective
+    )
+    if teacher is None:
+        return HeadLoss(result, ce, correct, None, None)
+    return HeadLoss(result, ce, correct, agree, accept)
 
 
 def lean_linear_cross_entropy(
@@ -184,5 +301,6 @@ def lean_linear_cross_entropy(
     tp_group: ProcessGroup,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Functional form of ``LeanLinearCrossEntropy`` (see there)."""
-    return LeanLinearCrossEntropy.apply(hidden, weight, labels, token_weight, tp_group, chunk_size)
+    """``sum(token_weight * CE)``, per-token CE and correct flags: ``lean_mtp_loss`` with ``"ce"``."""
+    out = lean_mtp_loss(hidden, weight, labels, token_weight, tp_group, chunk_size)
+    return out.objective, out.ce, out.correct

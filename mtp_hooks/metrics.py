@@ -3,38 +3,56 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 
 class MTPMetrics:
-    """Token-weighted sums per depth: masked CE, masked tokens, masked positions predicted right.
+    """Token-weighted sums per depth: masked CE, masked tokens, masked positions predicted right
+    and, when the main head is compared, masked argmax agreements and expected acceptances.
 
-    ``read`` turns them into ``{"mtp_k/loss": ..., "mtp_k/acc": ..., "mtp_k/tokens": ...}``;
-    loss and acceptance are ``nan`` for a depth that saw no masked token.
+    ``read`` turns them into ``{"mtp_k/loss": ..., "mtp_k/acc": ..., "mtp_k/tokens": ...}`` plus
+    ``"mtp_k/agree"`` and ``"mtp_k/accept"`` when compared; ratios are ``nan`` for a depth that
+    saw no masked token.
     """
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._sums: Tensor | None = None  # [depth, 3]: ce, tokens, correct
+        self._sums: Tensor | None = None  # [depth, 5]: ce, tokens, correct, agree, accept
+        self._compared = False
 
-    def add(self, k: int, ce_sum: Tensor, tokens: Tensor, correct: Tensor) -> None:
+    def add(
+        self,
+        k: int,
+        ce_sum: Tensor,
+        tokens: Tensor,
+        correct: Tensor,
+        agree: Optional[Tensor] = None,
+        accept: Optional[Tensor] = None,
+    ) -> None:
         """Add one micro-batch's sums for depth ``k`` (0-based)."""
-        row = torch.stack([ce_sum.detach().double(), tokens.detach().double(), correct.detach().double()])
+        compared = agree is not None and accept is not None
+        parts = [ce_sum, tokens, correct] + ([agree, accept] if compared else [torch.zeros_like(ce_sum)] * 2)
+        row = torch.stack([part.detach().double() for part in parts])
         if self._sums is None:
-            self._sums = torch.zeros(self.depth, 3, dtype=torch.float64, device=row.device)
+            self._sums = torch.zeros(self.depth, 5, dtype=torch.float64, device=row.device)
         self._sums[k] += row
+        self._compared = self._compared or compared
 
     def read(self, reset: bool = True) -> dict[str, float]:
         if self._sums is None:
             return {}
-        sums = self._sums.tolist()
+        sums, compared = self._sums.tolist(), self._compared
         if reset:
-            self._sums = None
+            self._sums, self._compared = None, False
         out: dict[str, float] = {}
-        for k, (ce, tokens, correct) in enumerate(sums, start=1):
+        for k, (ce, tokens, correct, agree, accept) in enumerate(sums, start=1):
             out[f"mtp_{k}/loss"] = ce / tokens if tokens else math.nan
             out[f"mtp_{k}/acc"] = correct / tokens if tokens else math.nan
             out[f"mtp_{k}/tokens"] = tokens
+            if compared:
+                out[f"mtp_{k}/agree"] = agree / tokens if tokens else math.nan
+                out[f"mtp_{k}/accept"] = accept / tokens if tokens else math.nan
         return out

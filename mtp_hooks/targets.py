@@ -91,6 +91,30 @@ def mtp_targets(
     return out
 
 
+def align_with_depths(
+    hidden: Tensor,
+    depth: int,
+    *,
+    packed_seq_params: Any = None,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> list[Tensor]:
+    """The main head's input seen from each MTP depth: ``hidden`` ``[s, b, h]`` rolled left ``k``
+    positions for ``k = 1 .. depth``.
+
+    Row ``t`` of entry ``k - 1`` is ``hidden[t + k]``, the position whose main-head prediction
+    targets the same token as depth ``k`` at ``t`` (zero where ``t + k`` leaves the sequence;
+    those positions have ``mask_k == 0`` in ``mtp_targets``). Same sequences, padding and CP
+    exchange as ``mtp_targets``; the result is detached.
+    """
+    layout = None if packed_seq_params is None else _without_empty_slots(packed_layout(packed_seq_params))
+    rolled = hidden.detach().permute(1, 2, 0)  # [b, h, s]: mcore rolls the last dim
+    out = []
+    for _ in range(depth):
+        rolled, _sum = _mcore.roll_left(rolled, cp_group, layout)
+        out.append(rolled.permute(2, 0, 1))
+    return out
+
+
 def packed_layout(packed_seq_params: Any) -> Any:
     """``packed_seq_params`` whose ``cu_seqlens_q`` / ``_kv`` are the padded layout, for mcore's MTP rolls.
 

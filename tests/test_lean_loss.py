@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
-from mtp_hooks.loss import LeanLinearCrossEntropy, argmax_matches, lean_linear_cross_entropy
+from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
 from tests.mcore_cpu import TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
@@ -217,7 +217,7 @@ def test_hidden_without_grad_still_gives_the_weight_gradient(chunk_size: int) ->
 def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:
     case = make_case(seed=9, tokens=12, hidden=4, vocab=29)
     hidden, weight = case.leaves()
-    objective, _, _ = LeanLinearCrossEntropy.apply(hidden, weight, case.labels, case.token_weight, None, 5)
+    objective = LeanMTPLoss.apply(hidden, weight, case.labels, case.token_weight, None, None, 5, "ce")[0]
     saved = [t for t in objective.grad_fn.saved_tensors if t is not None]
     assert saved, "the weight gradient needs hidden and weight"
     logits_numel = 12 * 29
