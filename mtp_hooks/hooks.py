@@ -117,6 +117,17 @@ def _validate_targets(labels: Any, loss_mask: Any) -> _MicroBatch:
     return _MicroBatch(labels, loss_mask)
 
 
+def _check_label_range(targets: _MicroBatch, vocab_size: int) -> None:
+    """Refuse a label outside ``[0, vocab_size)`` where the mask counts it (one device sync):
+    mcore's CE would silently treat it as a zero logit."""
+    labels = targets.labels
+    outside = (labels < 0) | (labels >= vocab_size)
+    if targets.loss_mask is not None:
+        outside &= targets.loss_mask != 0
+    if bool(outside.any()):
+        raise bad_argument("labels", f"token ids in [0, {vocab_size}) where loss_mask is 1", "ids outside the vocabulary")
+
+
 def _find_language_model(model: nn.Module) -> nn.Module:
     """The mcore language model inside ``model`` (itself, ``.module`` chains, ``.language_model``)."""
     current: Any = model
@@ -282,6 +293,9 @@ class MTPHooks:
             packed_seq_params=self._argument(args, kwargs, "packed_seq_params"),
             restore=[(model, "config", model.config)],
         )
+        vocab_size = getattr(model, "vocab_size", None)
+        if vocab_size is not None and (state.train or (self.output == "logprobs" and targets is not None)):
+            _check_label_range(targets, vocab_size)
         if self.output == "logprobs" and model.post_process:
             if targets is None:
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)

@@ -407,16 +407,6 @@ def test_raising_pre_hook_registered_before_attach_keeps_nesting_guard() -> None
     assert_same_grads(model, stock)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "open decision: an unmasked label outside [0, vocab) is accepted silently, as by stock mcore "
-        "0.16.1 (whose CE then reads lse - max and whose gradient pushes every logit down); the lean "
-        "loss reports lse there, so its mtp_k/loss also differs from stock. Refusing it costs one "
-        "device sync per training micro-batch."
-    ),
-)
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_unmasked_label_outside_vocabulary_is_refused(loss_impl: str) -> None:
     model = SHAPE.build(7)
