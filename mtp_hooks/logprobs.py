@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from mtp_hooks.loss import ProcessGroup, _accumulation_dtype, _all_reduce, _shard_targets
 
@@ -75,6 +76,7 @@ class LeanLogProbs(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Optional[Tensor], ...]:
         hidden, weight, local, in_shard, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
