@@ -144,10 +144,12 @@ def _find_language_model(model: nn.Module) -> nn.Module:
     )
 
 
-def _auto_chunk_size(vocab_shard: int) -> int:
-    """Tokens per lean-loss chunk: a power of two keeping one chunk's fp32 logits near 256 MiB."""
-    tokens = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
-    return max(16, 2 ** int(math.log2(max(tokens, 1))))
+def _auto_chunk_size(vocab_shard: int, tokens: int) -> int:
+    """Tokens per lean chunk: a power of two keeping one chunk's fp32 logits near 256 MiB and at
+    most about an eighth of all the logits (at least 16 tokens)."""
+    budget = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
+    cap = 2 ** math.ceil(math.log2(max(-(-tokens // 8), 1)))
+    return max(16, min(2 ** int(math.log2(max(budget, 1))), cap))
 
 
 class MTPHooks:
@@ -438,7 +440,7 @@ class MTPHooks:
             weight,
             labels.t().reshape(-1),
             tp_group,
-            self.chunk_size or _auto_chunk_size(weight.shape[0]),
+            self.chunk_size or _auto_chunk_size(weight.shape[0], s * b),
             self.temperature,
             self.entropy,
         )
@@ -471,7 +473,7 @@ class MTPHooks:
             objective = (ce * mask_sb).sum() * coef
             return objective, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
         hidden = self._head_input(layer, chunk, tp_group)
-        chunk_size = self.chunk_size or _auto_chunk_size(weight.shape[0])
+        chunk_size = self.chunk_size or _auto_chunk_size(weight.shape[0], hidden.shape[0] * hidden.shape[1])
         mask_flat = mask_sb.reshape(-1)
         out = lean_mtp_loss(
             hidden.reshape(-1, hidden.shape[-1]),
@@ -580,8 +582,8 @@ def attach(
             ``config.mtp_loss_scaling_factor`` at every forward.
         loss_impl: ``"lean"`` (default) never keeps MTP logits for backward; ``"dense"``
             computes them with the output layer, as stock mcore does.
-        chunk_size: tokens per chunk of the lean loss; ``None`` keeps a chunk's fp32 logits
-            near 256 MiB.
+        chunk_size: tokens per chunk of the lean loss and log-probs; ``None`` keeps a chunk's
+            fp32 logits under about 256 MiB and an eighth of all the logits.
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
             labels. ``"distill"``: cross-entropy against the main head's detached distribution at
             the position predicting the same token. ``"tv"``: total variation to that

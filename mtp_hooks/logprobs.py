@@ -1,7 +1,8 @@
 """Main-head log-probabilities of the labels (and entropy) without ``[tokens, V]`` logits.
 
-For RL losses that only need ``log p(label)`` and the entropy per token. Tokens are walked in
-chunks; forward keeps only the per-token log-sum-exp, backward recomputes each chunk's logits.
+For RL losses that only need ``log p(label)`` and the entropy per token. Forward walks the tokens
+in chunks and keeps only the per-token log-sum-exp (and entropy); backward recomputes the logits
+one vocabulary slice at a time, each slice giving its own rows of the weight gradient.
 Vocab-parallel: every reduction over the vocabulary runs over ``tp_group``. Knows nothing about
 hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's final hidden states.
 """
@@ -61,10 +62,10 @@ class LeanLogProbs(torch.autograd.Function):
             row_max = _all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
             target = logits.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1) * in_shard[rows]
             shifted = logits.sub_(row_max.unsqueeze(-1))
-            probs_unnormalised = shifted.exp()
-            sums = [target, probs_unnormalised.sum(dim=-1)]
+            exp = shifted.exp() if with_entropy else shifted.exp_()
+            sums = [target, exp.sum(dim=-1)]
             if with_entropy:
-                sums.append((probs_unnormalised * shifted).sum(dim=-1))
+                sums.append(exp.mul_(shifted).sum(dim=-1))
             reduced = _all_reduce(torch.stack(sums), tp_group)
             lse[rows] = row_max + reduced[1].log()
             logprobs[rows] = reduced[0] - lse[rows]
@@ -81,28 +82,35 @@ class LeanLogProbs(torch.autograd.Function):
         hidden, weight, local, in_shard, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = lse.dtype
-        d_hidden = torch.empty_like(hidden) if need_hidden else None
-        d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_logprobs = grad_logprobs.to(dtype)
-        grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, min(start + ctx.chunk_size, hidden.shape[0]))
-            log_q = _chunk_logits(hidden[rows], weight, ctx.temperature, dtype).sub_(lse[rows].unsqueeze(-1))
+        tokens, shard = hidden.shape[0], weight.shape[0]
+        d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
+        d_weight = torch.empty_like(weight) if need_weight else None
+        grad_logprobs = grad_logprobs.to(dtype).unsqueeze(-1)
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype).unsqueeze(-1)
+        # Vocabulary slices holding as many logits as a forward chunk: each gives its own rows of
+        # dW (no [V, h] accumulator) and adds its part of dh.
+        columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(tokens, 1))))
+        for first in range(0, shard, columns):
+            cols = slice(first, min(first + columns, shard))
+            log_q = _chunk_logits(hidden, weight[cols], ctx.temperature, dtype).sub_(lse.unsqueeze(-1))
             q = log_q.exp()
             # d log q[label] / dz = onehot - q ;  d H / dz = -q * (log q + H)
-            grad = q * (-grad_logprobs[rows]).unsqueeze(-1)
             if grad_entropy is not None:
-                grad -= q * (log_q + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
-            onehot_grad = (grad_logprobs[rows] * in_shard[rows]).unsqueeze(-1)
-            grad.scatter_add_(-1, local[rows].unsqueeze(-1), onehot_grad)
+                grad = log_q.add_(entropy.unsqueeze(-1)).mul_(grad_entropy).add_(grad_logprobs).mul_(q).neg_()
+            else:
+                grad = q.mul_(grad_logprobs).neg_()
+            index = local - first
+            inside = in_shard & (index >= 0) & (index < grad.shape[-1])
+            grad.scatter_add_(-1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
+            grad = grad.to(weight.dtype)
             if need_hidden:
-                d_hidden[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+                d_hidden.addmm_(grad.to(dtype), weight[cols].to(dtype))
             if need_weight:
-                d_weight.addmm_(grad.t(), hidden[rows].to(dtype))
-        if d_weight is not None:
-            d_weight = d_weight.to(weight.dtype)
+                torch.mm(grad.t(), hidden, out=d_weight[cols])
+        if d_hidden is not None:
+            d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None
 
 
