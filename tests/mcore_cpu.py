@@ -497,6 +497,24 @@ def stock_mtp_losses() -> list[float]:
     return out
 
 
+def _mtp_recompute_broken() -> Optional[str]:
+    """Why stock MTP layers cannot run under full activation recompute in this mcore, or ``None``."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    forward = inspect.signature(MultiTokenPredictionLayer.forward).parameters
+    checkpointed = inspect.signature(MultiTokenPredictionLayer._checkpointed_forward).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in checkpointed.values())
+    if "padding_mask" in forward and "padding_mask" not in checkpointed and not open_kwargs:
+        return (
+            "stock MTP full recompute is broken in this megatron-core: MultiTokenPredictionLayer.forward passes "
+            "padding_mask to _checkpointed_forward, which does not take it (TypeError)"
+        )
+    return None
+
+
+MTP_RECOMPUTE_BROKEN: Optional[str] = _mtp_recompute_broken()
+
+
 def mtp_inner_layer(layer: torch.nn.Module) -> torch.nn.Module:
     """The transformer layer inside an MTP layer: ``transformer_layer`` up to 0.16, ``mtp_model_layer`` from 0.17."""
     inner = getattr(layer, "mtp_model_layer", None)
