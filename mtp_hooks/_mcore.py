@@ -34,9 +34,6 @@ from mtp_hooks.errors import MTPHooksError
 MTPLossAutoScaler = _mtp.MTPLossAutoScaler
 
 _ROLL_PARAMETERS = frozenset(inspect.signature(_mtp.roll_tensor).parameters)
-# 0.16.1+: ``roll_tensor`` rolls packed (THD) sequences one by one; before, mcore refuses THD with MTP.
-ROLLS_PACKED_SEQUENCES: bool = "packed_seq_params" in _ROLL_PARAMETERS
-
 # 0.16.1+: ``roll_tensor(..., packed_seq_params=)`` rolls inside each packed (THD) sequence; before
 # that the MTP layers themselves assert that no packed sequences come in.
 ROLLS_PACKED_SEQUENCES: bool = "packed_seq_params" in _ROLL_PARAMETERS
