@@ -1,0 +1,42 @@
+"""Reading and rewriting arguments of a ``forward`` call as a with-kwargs pre-hook sees them.
+
+Callers (Megatron-LM, verl, NeMo-RL) mix positional and keyword use of ``GPTModel.forward``, so
+an argument is looked up by its position in the signature first and by name second, and is
+written back into the slot it was found in.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+
+class CallArguments:
+    """Positions of ``forward``'s parameters for one module class."""
+
+    def __init__(self, module: nn.Module) -> None:
+        parameters = list(inspect.signature(type(module).forward).parameters)[1:]
+        self._positions = {name: i for i, name in enumerate(parameters)}
+
+    def get(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+        """The value of ``name`` in this call, or ``None`` if it was not passed."""
+        position = self._positions.get(name)
+        if position is not None and position < len(args):
+            return args[position]
+        return kwargs.get(name)
+
+    def take(self, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[tuple[Any, ...], Any]:
+        """Read ``name`` from the call and set it to ``None`` in the same slot (``kwargs`` in place).
+
+        Returns the new positional arguments and the value that was there.
+        """
+        position = self._positions.get(name)
+        if position is not None and position < len(args):
+            value = args[position]
+            return (*args[:position], None, *args[position + 1 :]), value
+        value = kwargs.get(name)
+        if name in kwargs:
+            kwargs[name] = None
+        return args, value

@@ -1,0 +1,94 @@
+"""The options of ``attach``: one frozen, validated object instead of eleven loose keywords."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+from mtp_hooks.errors import bad_argument, describe
+from mtp_hooks.loss import OBJECTIVES
+
+LossImpl = Literal["lean", "dense"]
+Objective = Literal["ce", "distill", "tv"]
+Output = Literal["logits", "logprobs"]
+
+LOSS_IMPLS: tuple[str, ...] = ("lean", "dense")
+OUTPUTS: tuple[str, ...] = ("logits", "logprobs")
+
+
+def _is_real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How the hooks train the MTP layers and what the model returns (see ``attach``).
+
+    Constructing one validates every field and raises ``MTPHooksError`` naming the first bad one.
+    """
+
+    detach_encoder: bool = False
+    detach_head: bool = False
+    loss_scale: Optional[float] = None
+    loss_impl: LossImpl = "lean"
+    chunk_size: Optional[int] = None
+    objective: Objective = "ce"
+    agreement_metrics: bool = False
+    output: Output = "logits"
+    entropy: bool = False
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("detach_encoder", "detach_head"):
+            _require_bool(name, getattr(self, name))
+        if self.loss_scale is not None:
+            if not _is_real(self.loss_scale) or not self.loss_scale >= 0:
+                raise bad_argument("loss_scale", "None or a float >= 0", describe(self.loss_scale))
+            object.__setattr__(self, "loss_scale", float(self.loss_scale))
+        if self.loss_impl not in LOSS_IMPLS:
+            raise bad_argument("loss_impl", " or ".join(map(repr, LOSS_IMPLS)), describe(self.loss_impl))
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
+        ):
+            raise bad_argument("chunk_size", "None or an int >= 1", describe(self.chunk_size))
+        if self.objective not in OBJECTIVES:
+            raise bad_argument("objective", f"one of {OBJECTIVES}", describe(self.objective))
+        for name in ("agreement_metrics", "entropy"):
+            _require_bool(name, getattr(self, name))
+        if self.loss_impl == "dense" and (self.objective != "ce" or self.agreement_metrics):
+            raise bad_argument(
+                "loss_impl", "'lean' for objective 'distill' / 'tv' and for agreement_metrics (dense keeps stock's CE)", "'dense'"
+            )
+        if self.output not in OUTPUTS:
+            raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
+        if self.entropy and self.output != "logprobs":
+            raise bad_argument("entropy", "False unless output='logprobs'", True)
+        if not _is_real(self.temperature) or not self.temperature > 0:
+            raise bad_argument("temperature", "a float > 0", describe(self.temperature))
+        if self.temperature != 1.0 and self.output != "logprobs":
+            raise bad_argument("temperature", "1.0 unless output='logprobs' (logits are mcore's own)", describe(self.temperature))
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+    @property
+    def compares_with_main_head(self) -> bool:
+        """Whether each depth is scored against the main head (agreement metrics, draft objectives)."""
+        return self.agreement_metrics or self.objective != "ce"
+
+    def check_config(self, config: Any) -> None:
+        """Refuse options that the model's config leaves undefined."""
+        if self.loss_scale is None and config.mtp_loss_scaling_factor is None:
+            raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from their defaults, in declaration order."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != field.default
+        }
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise bad_argument(name, "a bool", describe(value))
+
