@@ -30,8 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from mtp_hooks import _mcore, heads
 from mtp_hooks.arguments import CallArguments
-from mtp_hooks.checks import check_label_range, check_targets
-from mtp_hooks.errors import MTPHooksError, bad_argument, describe
+from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
+from mtp_hooks.errors import MTPHooksError, bad_argument
 from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
@@ -48,7 +48,8 @@ class MicroBatch:
     labels: Tensor
     loss_mask: Optional[Tensor]
     used: bool = False
-    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that opened it
+    scoped: bool = False  # armed by ``with micro_batch(...)``: stays until the block ends
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
 
 
 @dataclasses.dataclass
@@ -118,11 +119,18 @@ class ForwardHooks:
     # ------------------------------------------------------------ micro-batch targets
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor]) -> MicroBatch:
         """Make ``labels`` / ``loss_mask`` the targets of this thread's next forward."""
-        if self.pending is not None and self.pending.thread != threading.get_ident():
+        pending = self.pending
+        if pending is not None and pending.thread != threading.get_ident():
             raise other_thread("micro_batch", "a micro_batch")
-        if self.pending is not None:
+        if pending is not None and pending.scoped:
             raise bad_argument("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
-        check_targets(labels, loss_mask)
+        if pending is not None and not pending.used:
+            raise bad_argument(
+                "micro_batch",
+                "a forward between two micro_batch(...) calls (each call arms the next forward)",
+                "a second micro_batch(...) while the targets of the first were not used by any forward",
+            )
+        check_targets(labels, loss_mask, self.options.validate)
         self.pending = MicroBatch(labels, loss_mask)
         return self.pending
 
@@ -141,12 +149,14 @@ class ForwardHooks:
             if pending.used:
                 raise bad_argument("micro_batch", "one forward per micro_batch", "a second forward inside the same micro_batch")
             pending.used = True
+            if not pending.scoped:
+                self.pending = None  # armed by a plain call: consumed by this forward
             return pending
         if pending is not None:
             raise bad_argument("labels", "labels either in micro_batch(...) or as model(..., labels=...), not both", "both")
         if labels is None:
             raise bad_argument("labels", "a [b, s] integer tensor when loss_mask is given", None)
-        check_targets(labels, loss_mask)
+        check_targets(labels, loss_mask, self.options.validate)
         return MicroBatch(labels, loss_mask)
 
     # --------------------------------------------------------------------- the hooks
@@ -161,9 +171,8 @@ class ForwardHooks:
         args, labels = arguments.take(args, kwargs, "labels")
         args, loss_mask = arguments.take(args, kwargs, "loss_mask")
         targets = self._targets_for_call(labels, loss_mask)
-        input_ids = arguments.get(args, kwargs, "input_ids")
-        if targets is not None and isinstance(input_ids, Tensor) and targets.labels.shape != input_ids.shape:
-            raise bad_argument("labels", f"shape of input_ids {tuple(input_ids.shape)}", describe(targets.labels))
+        if targets is not None:
+            check_against_inputs(targets.labels, arguments.get(args, kwargs, "input_ids"))
         train = targets is not None and torch.is_grad_enabled() and model.post_process
         if train and arguments.get(args, kwargs, "output_processor") is not None:
             # mcore 0.18+: the processor replaces the output layer call the MTP loss hangs on.
@@ -176,7 +185,7 @@ class ForwardHooks:
         logprobs = self.options.output == "logprobs"
         vocab_size = getattr(model, "vocab_size", None)
         if vocab_size is not None and targets is not None and (state.train or logprobs):
-            check_label_range(targets.labels, targets.loss_mask, vocab_size)
+            check_label_range(targets.labels, targets.loss_mask, vocab_size, self.options.validate)
         if logprobs and model.post_process:
             if targets is None:
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)

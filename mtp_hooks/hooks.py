@@ -25,7 +25,8 @@ from megatron.core.models.common.language_module.language_module import Language
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError, bad_argument
-from mtp_hooks.forward import ForwardHooks
+from mtp_hooks.checks import Validate
+from mtp_hooks.forward import ForwardHooks, MicroBatch
 from mtp_hooks.options import LossImpl, Objective, Options, Output
 
 _STATE_KEY = "_mtp_hooks"
@@ -47,22 +48,52 @@ def _find_language_model(model: nn.Module) -> nn.Module:
     )
 
 
+class MicroBatchTargets:
+    """What ``MTPHooks.micro_batch`` returns: the targets are armed already; ``with`` scopes them.
+
+    Used in a ``with`` block, the targets belong to the one forward inside it and are dropped on
+    exit (also by exception). Called plainly, they wait for this thread's next forward of the model.
+    """
+
+    def __init__(self, hooks: "MTPHooks", targets: MicroBatch) -> None:
+        self._hooks = hooks
+        self._targets = targets
+
+    def __enter__(self) -> "MTPHooks":
+        self._targets.scoped = True
+        return self._hooks
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks._hooks.disarm(self._targets)
+
+
 class MTPHooks:
     """Handle of ``mtp_hooks`` on one language model. Create it with ``attach``.
 
     Use ``micro_batch`` to give the labels of a training micro-batch, ``metrics`` to read the
     per-depth MTP loss and acceptance, and ``remove`` (or ``with``) to restore stock mcore.
+    After ``remove`` every method but ``remove`` raises ``MTPHooksError``.
     """
 
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
         self._hooks = ForwardHooks(model, options)
         self._handles: list[RemovableHandle] = self._hooks.install(model)
+        self._model_class = type(model).__name__
+        self._removed = False
+
+    def _live(self, method: str) -> ForwardHooks:
+        if self._removed:
+            raise MTPHooksError(
+                f"{method}: these hooks were removed\n  expected: hooks still attached (attach the model again to train MTP)\n"
+                "  received: a call after remove()"
+            )
+        return self._hooks
 
     @property
     def model(self) -> nn.Module:
         """The language model the hooks sit on."""
-        return self._hooks.model
+        return self._live("model").model
 
     @property
     def depth(self) -> int:
@@ -91,31 +122,32 @@ class MTPHooks:
     def chunk_size(self) -> Optional[int]:
         return self.options.chunk_size
 
-    @contextlib.contextmanager
-    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> Iterator["MTPHooks"]:
+    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> MicroBatchTargets:
         """Make the next forward a training micro-batch with these ``[b, s]`` targets.
+
+        Takes effect when called: the next forward of the model from this thread uses them.
+        ``with hooks.micro_batch(labels, loss_mask): model(...)`` scopes them to the block (one
+        forward inside it; unused targets are dropped on exit, also by exception); a plain call
+        arms them for the next forward, which consumes them. Arming again before a forward used
+        the first targets raises.
 
         ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
         them. The forward trains MTP only if gradients are enabled; otherwise it is an inference
-        micro-batch. One forward per ``micro_batch``: a second forward inside it raises.
-        On exit (also by exception) the targets are dropped.
+        micro-batch.
 
-        One thread at a time: while a micro_batch is open or a forward is in flight, a
+        One thread at a time: while targets are armed or a forward is in flight, a
         ``micro_batch`` or forward from another thread raises ``MTPHooksError`` (the hooks swap
         attributes of the shared model for the length of a forward).
         """
-        targets = self._hooks.arm(labels, loss_mask)
-        try:
-            yield self
-        finally:
-            self._hooks.disarm(targets)
+        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask))
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
         argmax is the label) and ``mtp_k/tokens``, over the training forwards completed since the
-        last reset (a forward that raised counts for nothing). Local to this rank (identical
-        across TP ranks). Empty if nothing was trained."""
-        return self._hooks.metrics.read(reset)
+        last reset (a forward that raised counts for nothing). A depth that counted no token has
+        ``mtp_k/tokens == 0`` and no ratios. Local to this rank (identical across TP ranks). Empty
+        if nothing was trained. Reading syncs with the device once."""
+        return self._live("metrics").metrics.read(reset)
 
     def remove(self) -> None:
         """Remove every hook and restore every swapped attribute. Calling it twice is harmless."""
@@ -123,6 +155,7 @@ class MTPHooks:
             handle.remove()
         self._handles.clear()
         self._hooks.close()
+        self._removed = True
         model = self._hooks._model_ref()
         if model is not None and model.__dict__.get(_STATE_KEY) is self:
             del model.__dict__[_STATE_KEY]
@@ -132,6 +165,11 @@ class MTPHooks:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+    def __repr__(self) -> str:
+        state = ", removed" if self._removed else ""
+        options = "".join(f", {name}={value!r}" for name, value in self.options.changed().items())
+        return f"MTPHooks({self._model_class}, depth={self.depth}{options}{state})"
 
 
 def attach(
@@ -147,6 +185,7 @@ def attach(
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
+    validate: Validate = "device",
 ) -> MTPHooks:
     """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
 
@@ -179,6 +218,10 @@ def attach(
             every forward then needs labels (training or not).
         entropy: with ``output="logprobs"``, also return the per-token entropy.
         temperature: with ``output="logprobs"``, divide the main head's logits by it.
+        validate: how the values of the targets are checked (mask in {0, 1}, labels inside the
+            vocabulary): ``"device"`` (default) without a host sync, by device-side asserts
+            (immediate ``MTPHooksError`` on CPU; a CUDA device-side assert on GPU);
+            ``"host"`` with one host sync per check and a full ``MTPHooksError``; ``"off"``.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
@@ -211,6 +254,7 @@ def attach(
         output=output,
         entropy=entropy,
         temperature=temperature,
+        validate=validate,
     )
     options.check_config(language_model.config)
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:

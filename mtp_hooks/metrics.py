@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -14,8 +13,8 @@ class MTPMetrics:
     and, when the main head is compared, masked argmax agreements and expected acceptances.
 
     ``read`` turns them into ``{"mtp_k/loss": ..., "mtp_k/acc": ..., "mtp_k/tokens": ...}`` plus
-    ``"mtp_k/agree"`` and ``"mtp_k/accept"`` when compared; ratios are ``nan`` for a depth that
-    saw no masked token.
+    ``"mtp_k/agree"`` and ``"mtp_k/accept"`` when compared. A depth that saw no masked token
+    reports ``mtp_k/tokens == 0`` and no ratios (never NaN, which a dashboard reads as divergence).
     """
 
     def __init__(self, depth: int) -> None:
@@ -49,10 +48,11 @@ class MTPMetrics:
             self._sums, self._compared = None, False
         out: dict[str, float] = {}
         for k, (ce, tokens, correct, agree, accept) in enumerate(sums, start=1):
-            out[f"mtp_{k}/loss"] = ce / tokens if tokens else math.nan
-            out[f"mtp_{k}/acc"] = correct / tokens if tokens else math.nan
+            if tokens:
+                out[f"mtp_{k}/loss"] = ce / tokens
+                out[f"mtp_{k}/acc"] = correct / tokens
             out[f"mtp_{k}/tokens"] = tokens
-            if compared:
-                out[f"mtp_{k}/agree"] = agree / tokens if tokens else math.nan
-                out[f"mtp_{k}/accept"] = accept / tokens if tokens else math.nan
+            if compared and tokens:
+                out[f"mtp_{k}/agree"] = agree / tokens
+                out[f"mtp_{k}/accept"] = accept / tokens
         return out

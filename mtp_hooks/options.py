@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional
 
+from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
 from mtp_hooks.loss import OBJECTIVES
 
@@ -37,6 +38,7 @@ class Options:
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
+    validate: Validate = "device"
 
     def __post_init__(self) -> None:
         for name in ("detach_encoder", "detach_head"):
@@ -68,6 +70,8 @@ class Options:
         if self.temperature != 1.0 and self.output != "logprobs":
             raise bad_argument("temperature", "1.0 unless output='logprobs' (logits are mcore's own)", describe(self.temperature))
         object.__setattr__(self, "temperature", float(self.temperature))
+        if self.validate not in VALIDATE_MODES:
+            raise bad_argument("validate", " or ".join(map(repr, VALIDATE_MODES)), describe(self.validate))
 
     @property
     def compares_with_main_head(self) -> bool:

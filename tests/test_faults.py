@@ -296,7 +296,7 @@ def test_user_exception_inside_micro_batch_after_forward_drops_labels() -> None:
             lambda b: (b.input_ids[:, :-1], b.position_ids[:, :-1]), mtp_hooks.MTPHooksError, "labels: bad value",
             id="input_ids_shorter_than_labels",
         ),
-        pytest.param(lambda b: (b.input_ids.float(), b.position_ids), RuntimeError, "indices", id="float_input_ids"),
+        pytest.param(lambda b: (b.input_ids.float(), b.position_ids), mtp_hooks.MTPHooksError, "dtype of input_ids", id="float_input_ids"),
         pytest.param(lambda b: (b.input_ids + VOCAB * 1000, b.position_ids), IndexError, "out of range", id="token_ids_out_of_range"),
     ],
 )

@@ -329,5 +329,4 @@ def test_depths_without_targets_contribute_nothing_where_stock_gives_nan() -> No
     metrics = hooks.metrics()
     for k in (1, 2):
         assert metrics[f"mtp_{k}/tokens"] == 0
-        assert metrics[f"mtp_{k}/loss"] != metrics[f"mtp_{k}/loss"]  # nan
-        assert metrics[f"mtp_{k}/acc"] != metrics[f"mtp_{k}/acc"]
+        assert f"mtp_{k}/loss" not in metrics and f"mtp_{k}/acc" not in metrics  # no ratio of 0 tokens
