@@ -32,6 +32,7 @@ from mtp_hooks import _mcore, heads
 from mtp_hooks.arguments import CallArguments
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
 from mtp_hooks.errors import MTPHooksError, bad_argument
+from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
@@ -119,6 +120,7 @@ class ForwardHooks:
     # ------------------------------------------------------------ micro-batch targets
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor]) -> MicroBatch:
         """Make ``labels`` / ``loss_mask`` the targets of this thread's next forward."""
+        self.recover_interrupted()
         pending = self.pending
         if pending is not None and pending.thread != threading.get_ident():
             raise other_thread("micro_batch", "a micro_batch")
@@ -161,6 +163,7 @@ class ForwardHooks:
 
     # --------------------------------------------------------------------- the hooks
     def on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.recover_interrupted(inside_forward=True)
         if self._calls > 0 and self._thread != threading.get_ident():
             raise other_thread("model", "a forward")
         self._calls += 1
@@ -302,7 +305,29 @@ class ForwardHooks:
         state.mtp_layer_calls += 1
         return args, kwargs
 
-    # ------------------------------------------------------------------------ removal
+    # ------------------------------------------------- interrupted forwards and removal
+    def recover_interrupted(self, inside_forward: bool = False) -> None:
+        """Clean up after a forward that a non-``Exception`` interrupt abandoned (``interrupts``).
+
+        Only when a forward is counted as in flight: then, if no forward of the model is on the
+        owning thread's stack any more (besides the one calling, ``inside_forward``), restore
+        what it swapped, drop its metrics, and free the nesting counter. Its targets are gone
+        already: a ``with micro_batch`` block drops them on any exit, a plain call's targets are
+        consumed when the forward starts.
+        """
+        if self._calls == 0 or self._thread is None:
+            return
+        model = self._model_ref()
+        if model is None:
+            return
+        calling = 1 if inside_forward and self._thread == threading.get_ident() else 0
+        if forwards_on_stack(model, self._thread) > calling:
+            return  # still running: a genuine nested call, or another thread's forward
+        state, self.forward = self.forward, None
+        if state is not None:
+            state.restore_all()
+        self._calls, self._thread = 0, None
+
     def close(self) -> None:
         """Restore whatever a forward in flight swapped and drop armed targets (for ``remove``)."""
         if self.forward is not None:

@@ -147,7 +147,9 @@ class MTPHooks:
         last reset (a forward that raised counts for nothing). A depth that counted no token has
         ``mtp_k/tokens == 0`` and no ratios. Local to this rank (identical across TP ranks). Empty
         if nothing was trained. Reading syncs with the device once."""
-        return self._live("metrics").metrics.read(reset)
+        hooks = self._live("metrics")
+        hooks.recover_interrupted()
+        return hooks.metrics.read(reset)
 
     def remove(self) -> None:
         """Remove every hook and restore every swapped attribute. Calling it twice is harmless."""
