@@ -32,6 +32,7 @@ from megatron.core.transformer import multi_token_prediction as _mtp
 from mtp_hooks.errors import MTPHooksError
 
 MTPLossAutoScaler = _mtp.MTPLossAutoScaler
+MTPLossLoggingHelper = _mtp.MTPLossLoggingHelper
 
 _ROLL_PARAMETERS = frozenset(inspect.signature(_mtp.roll_tensor).parameters)
 # 0.16.1+: ``roll_tensor(..., packed_seq_params=)`` rolls inside each packed (THD) sequence; before
@@ -47,6 +48,30 @@ PER_TOKEN_LOSS_RESCALED: bool = _PROCESS_MTP_LOSS is not None
 DERIVES_LABELS_FROM_INPUT_IDS: bool = _PROCESS_MTP_LOSS is not None and "input_ids" in inspect.signature(
     _PROCESS_MTP_LOSS
 ).parameters
+
+
+# 0.19.2+: the tracker also counts, per depth, the masked positions whose argmax is the label.
+TRACKS_ACCEPTANCE_COUNTS: bool = hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+
+
+def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, correct: Tensor) -> None:
+    """Record one depth of a training forward in mcore's ``MTPLossLoggingHelper``, as stock does.
+
+    The value is the depth's masked mean CE (0 for a depth without tokens, as 0.17.1+ stock; 0.14 -
+    0.16 stock records 0/0 = NaN there), averaged by Megatron's ``track_mtp_metrics`` over the
+    data-parallel x context-parallel group, the group stock gives. 0.19.2+ also records the
+    correct and total counts of its acceptance metrics. No host sync.
+    """
+    loss = ce_sum.detach() * (tokens > 0) / tokens.clamp(min=1)
+    avg_group = None
+    if parallel_state.model_parallel_is_initialized():
+        avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if TRACKS_ACCEPTANCE_COUNTS:
+        MTPLossLoggingHelper.save_metrics_to_tracker(
+            loss, correct.detach().float(), tokens.detach().float(), depth_index, depth, avg_group=avg_group
+        )
+    else:
+        MTPLossLoggingHelper.save_loss_to_tracker(loss, depth_index, depth, avg_group=avg_group)
 
 
 def stock_mtp_loss_off_after_block(model: nn.Module, restore: list[tuple[nn.Module, str, Any]]) -> None:

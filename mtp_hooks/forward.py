@@ -230,6 +230,9 @@ class ForwardHooks:
             return None
         for entry in state.metrics:
             self.metrics.add(*entry)
+            if model.training:  # stock mcore tracks only in training mode
+                k, ce_sum, tokens, correct = entry[:4]
+                _mcore.track_depth(k, self.depth, ce_sum, tokens, correct)
         return state.head_output
 
     def on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:

@@ -522,7 +522,14 @@ def mtp_inner_layer(layer: torch.nn.Module) -> torch.nn.Module:
 
 
 def stock_train_step(model: torch.nn.Module, batch: Batch) -> Tensor:
-    """Stock mcore: labels in, per-token loss out; backward of the masked mean. Returns the loss."""
+    """Stock mcore: labels in, per-token loss out; backward of the masked mean. Returns the loss.
+
+    Empties mcore's MTP tracker first, so that it then holds this step's losses only (hooked
+    models record into the same process-wide tracker).
+    """
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
     per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
     loss = masked_mean(per_token, batch.loss_mask)
     loss.backward()

@@ -132,6 +132,7 @@ def hooked_step(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path:
 
 
 def stock_step(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
+    stock_mtp_losses()  # empty the tracker: it then holds this step's losses only
     with output_layer_calls(model) as calls:
         per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
     masked_mean(per_token, batch.loss_mask).backward()

@@ -98,6 +98,7 @@ def test_remove_restores_stock_mcore_bit_for_bit() -> None:
 
     hooked.zero_grad(set_to_none=True)
     batch = make_batch(VOCAB, seed=3)
+    stock_mtp_losses()  # empty the tracker the hooked micro-batch wrote
     stock_loss = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
     stock_losses = stock_mtp_losses()
     loss = hooked(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
