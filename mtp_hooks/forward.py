@@ -8,7 +8,8 @@ In the order a forward meets them:
    for inference also sets ``mtp_process = False`` so the MTP block does not run.
 2. MTP block pre-hook (``on_mtp_block_pre``): hands packed batches the padded layout.
 3. MTP layer pre-hooks (``on_mtp_layer_pre``, with ``detach_encoder``): a ``DetachedEmbedding``
-   proxy for ``embedding`` and detached depth-0 trunk hidden states.
+   proxy for ``embedding`` and detached depth-0 trunk hidden states (every depth's input hidden
+   states with ``detach_between_depths``).
 4. MTP block forward hook (``on_mtp_block_post``): turns off the stock MTP loss of releases that
    gate it on ``mtp_process`` after the block ran (``_mcore``).
 5. output layer pre-hook (``on_output_layer_pre``): the MTP losses and the log-prob output
@@ -302,8 +303,10 @@ class ForwardHooks:
             return None
         if "embedding" in kwargs and kwargs["embedding"] is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
-        if state.mtp_layer_calls == 0:
-            # Depth 0 only: the block's own chunk 0 (the main head's input) stays attached.
+        if state.mtp_layer_calls == 0 or self.options.detach_between_depths:
+            # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
+            # stays attached). Later depths, with detach_between_depths: the previous depth's output.
+            # requires_grad keeps full activation recompute working on a detached input.
             kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
         state.mtp_layer_calls += 1
         return args, kwargs

@@ -179,6 +179,7 @@ def attach(
     *,
     detach_encoder: bool = False,
     detach_head: bool = False,
+    detach_between_depths: bool = False,
     loss_scale: Optional[float] = None,
     loss_impl: LossImpl = "lean",
     chunk_size: Optional[int] = None,
@@ -198,8 +199,13 @@ def attach(
         model: a ``GPTModel``, a wrapper exposing it as ``.module`` (DDP, Float16Module), or a
             model whose ``.language_model`` is one. Its config must have ``mtp_num_layers``.
         detach_encoder: MTP layers get detached next-token embeddings and detached trunk hidden
-            states, so the MTP loss sends no gradient into the decoder or the embedding.
+            states, so the MTP loss sends no gradient into the decoder, nor into the embedding
+            through the MTP layers' input (a tied output weight still trains without ``detach_head``).
         detach_head: MTP logits use a detached output weight (tied or untied).
+        detach_between_depths: with ``detach_encoder``, also detach the hidden states each MTP
+            depth hands to the next, so depth k's loss trains MTP layer k alone (verl's
+            ``mtp_patch`` semantics); without it depth k's loss also reaches layers 1 .. k-1, as
+            in stock mcore.
         loss_scale: total MTP loss weight, split evenly over depths; ``None`` reads
             ``config.mtp_loss_scaling_factor`` at every forward.
         loss_impl: ``"lean"`` (default) never keeps MTP logits for backward; ``"dense"``
@@ -248,6 +254,7 @@ def attach(
     options = Options(
         detach_encoder=detach_encoder,
         detach_head=detach_head,
+        detach_between_depths=detach_between_depths,
         loss_scale=loss_scale,
         loss_impl=loss_impl,
         chunk_size=chunk_size,

@@ -30,6 +30,7 @@ class Options:
 
     detach_encoder: bool = False
     detach_head: bool = False
+    detach_between_depths: bool = False
     loss_scale: Optional[float] = None
     loss_impl: LossImpl = "lean"
     chunk_size: Optional[int] = None
@@ -41,8 +42,12 @@ class Options:
     validate: Validate = "device"
 
     def __post_init__(self) -> None:
-        for name in ("detach_encoder", "detach_head"):
+        for name in ("detach_encoder", "detach_head", "detach_between_depths"):
             _require_bool(name, getattr(self, name))
+        if self.detach_between_depths and not self.detach_encoder:
+            raise bad_argument(
+                "detach_between_depths", "False unless detach_encoder=True (each depth then trains only its own layer)", True
+            )
         if self.loss_scale is not None:
             if not _is_real(self.loss_scale) or not self.loss_scale >= 0:
                 raise bad_argument("loss_scale", "None or a float >= 0", describe(self.loss_scale))
