@@ -6,24 +6,39 @@ per-token statistics come out. Logits shards are ``[tokens, V/tp]``; every reduc
 vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group``.
 
 * ``argmax_matches`` scores logits that the caller computed (dense path; the CE itself is mcore's).
-* ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks, computes the
+* ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks and computes the
   hidden-state gradient during forward (the objective's upstream gradient is a scalar, so it is
-  known up to that factor) and, when the head weight needs a gradient, recomputes the logits in
-  backward one vocabulary slice at a time; each slice yields its own rows of the weight gradient
-  with one matmul over all tokens, so there is no accumulator and the result is rounded once, as
-  in the dense path. Objectives: ``"ce"`` on the labels, and, against the main head's
+  known up to that factor). Objectives: ``"ce"`` on the labels, and, against the main head's
   distribution at the matching position (the teacher), ``"distill"`` and ``"tv"``; with a
-  teacher it also reports argmax agreement and expected speculative acceptance.
+  teacher it also reports argmax agreement and expected speculative acceptance. The head
+  weight's gradient, when the weight needs one, takes one of two paths (``weight_grad``):
+
+  - ``"recompute"`` keeps nothing but the hidden states (and teacher inputs) for backward and
+    recomputes the logits there one vocabulary slice at a time; each slice yields its own rows
+    of the weight gradient with one matmul over all tokens, rounded once as in the dense path.
+    One head matmul more than stock (4 for ``"ce"``: logits, hidden gradient, recomputed
+    logits, weight gradient).
+  - ``"fused"`` adds each chunk's ``logit_grad.T @ hidden`` to one ``[V/tp, H]`` accumulator
+    (fp32 for half, bf16 and fp32 inputs) during forward and only scales it by the upstream
+    gradient in backward: stock's matmul count (3 for ``"ce"``), but the accumulator lives from
+    forward to backward. All MTP depths can share it by passing their tokens in one call.
+
+  ``choose_weight_grad`` picks the path that keeps less alive: ``"fused"`` unless its
+  accumulator (``V/tp * H`` fp32) outweighs the fp32 MTP logits stock keeps
+  (``tokens * V/tp``), i.e. unless ``H > tokens`` summed over the depths of the call.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from mtp_hooks.errors import bad_argument
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -71,7 +86,52 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 Objective = Literal["ce", "distill", "tv"]
 OBJECTIVES: tuple[str, ...] = ("ce", "distill", "tv")
+WeightGrad = Literal["fused", "recompute"]
+WEIGHT_GRAD_MODES: tuple[str, ...] = ("fused", "recompute")
 _NO_INDEX = torch.iinfo(torch.long).max
+
+
+def choose_weight_grad(hidden_size: int, tokens: int) -> str:
+    """The weight-gradient path that keeps less memory from forward to backward.
+
+    ``tokens``: all tokens of one ``lean_mtp_loss`` call on this rank (N depths x T when the
+    depths share one call). ``"fused"`` keeps a ``[V/tp, hidden_size]`` fp32 accumulator,
+    stock keeps ``[tokens, V/tp]`` fp32 logits: ``"fused"`` unless the accumulator is larger.
+    """
+    return "recompute" if hidden_size > tokens else "fused"
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_accumulates_low_precision(device: torch.device, dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=acc_dtype, out=acc)`` runs for ``dtype`` operands here.
+
+    Half / bf16 GEMMs with an fp32 output (CUDA, recent torch) keep the low-precision operands'
+    speed and accumulate in fp32; elsewhere (CPU, older torch) the operands are upcast instead.
+    """
+    if dtype == acc_dtype or device.type == "cpu":
+        return False
+    acc = torch.zeros(1, 1, dtype=acc_dtype, device=device)
+    operand = torch.zeros(1, 1, dtype=dtype, device=device)
+    try:
+        torch.addmm(acc, operand, operand, out_dtype=acc_dtype, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _add_weight_grad_(acc: Tensor, grad: Tensor, grad_low: Tensor, hidden: Tensor) -> None:
+    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype``.
+
+    ``grad``: the chunk's logit gradient in ``acc.dtype``; ``grad_low``: the same in the head's
+    dtype (already made for the hidden-state gradient). Low-precision operands go through a GEMM
+    with an ``acc.dtype`` output where torch has one for the device, else are upcast.
+    """
+    if hidden.dtype == acc.dtype:
+        torch.addmm(acc, grad.t(), hidden, out=acc)
+    elif grad_low.dtype == hidden.dtype and _mm_accumulates_low_precision(hidden.device, hidden.dtype, acc.dtype):
+        torch.addmm(acc, grad_low.t(), hidden, out_dtype=acc.dtype, out=acc)
+    else:
+        torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
 
 
 def _global_argmax(logits: Tensor, row_max: Tensor, group: ProcessGroup) -> Tensor:
@@ -186,7 +246,13 @@ class LeanMTPLoss(torch.autograd.Function):
     with a teacher, per-token argmax agreement and expected acceptance ``sum min(p, q)``.
 
     The hidden-state gradient is computed during forward (the objective's upstream gradient is
-    a scalar); the weight gradient recomputes logits in backward, one vocabulary slice at a time.
+    a scalar). ``weight_grad`` says how the head weight's gradient is made: ``"recompute"``
+    recomputes logits in backward, one vocabulary slice at a time; ``"fused"`` accumulates it
+    during forward into one ``[V/tp, H]`` buffer (fp32 for half, bf16 and fp32 inputs), the only
+    tensor kept for it, which backward scales by the upstream gradient. With the weight detached
+    neither does any weight-gradient work. Tokens are independent, so the caller may pass
+    several depths' tokens at once (each carrying its own coefficient in ``token_weight``) and
+    split the per-token outputs; fused, the depths then share one accumulator.
     """
 
     @staticmethod
@@ -200,12 +266,16 @@ class LeanMTPLoss(torch.autograd.Function):
         tp_group: ProcessGroup,
         chunk_size: int,
         objective: str,
+        weight_grad: str = "recompute",
     ) -> tuple[Tensor, ...]:
         tokens = hidden.shape[0]
         acc_dtype = _accumulation_dtype(hidden.dtype)
         local, in_shard = _shard_targets(labels, weight.shape[0], tp_group)
         token_weight = token_weight.to(acc_dtype)
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fused = need_weight_grad and weight_grad == "fused"
+        need_logit_grad = need_hidden_grad or fused
+        acc = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if fused else None
         teacher_weight = weight.detach()
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
@@ -222,30 +292,46 @@ class LeanMTPLoss(torch.autograd.Function):
                 lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
                 if chunk.sign_q is not None:
                     sign_q[rows] = chunk.sign_q
-            if need_hidden_grad:
+            if need_logit_grad:
                 grad = _logit_grad(objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], token_weight[rows])
-                hidden_grad[rows] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_low = grad.to(weight.dtype)
+                if need_hidden_grad:
+                    hidden_grad[rows] = (grad_low @ weight).to(hidden.dtype)
+                if acc is not None:
+                    _add_weight_grad_(acc, grad, grad_low, hidden[rows])
         result = (loss * token_weight).sum()
-        keep_teacher = need_weight_grad and objective != "ce"
         ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
-        ctx.save_for_backward(
-            hidden_grad if need_hidden_grad else None,
-            hidden if need_weight_grad else None,
-            weight if need_weight_grad else None,
-            teacher if keep_teacher else None,
-            local,
-            in_shard,
-            token_weight,
-            lse,
-            lse_teacher,
-            sign_q,
-        )
+        ctx.recompute = need_weight_grad and not fused
+        ctx.weight_dtype = weight.dtype
+        if ctx.recompute:
+            ctx.save_for_backward(
+                hidden_grad,
+                hidden,
+                weight,
+                teacher if objective != "ce" else None,
+                local,
+                in_shard,
+                token_weight,
+                lse,
+                lse_teacher,
+                sign_q,
+            )
+        else:
+            ctx.save_for_backward(hidden_grad, acc)
         ctx.mark_non_differentiable(ce, correct, agree, accept)
         return result, ce, correct, agree, accept
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+        if not ctx.recompute:
+            hidden_grad, acc = ctx.saved_tensors
+            d_hidden = None if hidden_grad is None else hidden_grad * grad_objective.to(hidden_grad.dtype)
+            d_weight = None
+            if acc is not None:  # scaled in the accumulator's precision, rounded once to the head's dtype
+                d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
+                torch.mul(acc, grad_objective.to(acc.dtype), out=d_weight)
+            return d_hidden, d_weight, None, None, None, None, None, None, None
         hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, sign_q = ctx.saved_tensors
         d_hidden = None
         if hidden_grad is not None:
@@ -267,7 +353,7 @@ class LeanMTPLoss(torch.autograd.Function):
                     p = (teacher @ weight[cols].t()).to(lse.dtype).sub_(lse_teacher.unsqueeze(-1)).exp_()
                 grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
                 torch.mm(grad.to(weight.dtype).t(), hidden, out=d_weight[cols])
-        return d_hidden, d_weight, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
 def lean_mtp_loss(
@@ -279,14 +365,23 @@ def lean_mtp_loss(
     chunk_size: int,
     objective: str = "ce",
     teacher: Optional[Tensor] = None,
+    weight_grad: str = "recompute",
 ) -> HeadLoss:
-    """Functional form of ``LeanMTPLoss`` (see there); ``agree`` / ``accept`` are ``None`` without a teacher."""
+    """Functional form of ``LeanMTPLoss`` (see there); ``agree`` / ``accept`` are ``None`` without a teacher.
+
+    ``weight_grad``: ``"recompute"`` (default) or ``"fused"``; see ``choose_weight_grad`` for
+    which keeps less memory. To share the fused accumulator over MTP depths, pass their tokens
+    concatenated (``hidden``, ``labels``, ``token_weight`` with each depth's coefficient, and
+    ``teacher``) and split the per-token outputs back by depth.
+    """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective != "ce" and teacher is None:
         raise ValueError(f"objective {objective!r} needs a teacher")
+    if weight_grad not in WEIGHT_GRAD_MODES:
+        raise bad_argument("weight_grad", f"one of {WEIGHT_GRAD_MODES}", repr(weight_grad))
     result, ce, correct, agree, accept = LeanMTPLoss.apply(
-        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective
+        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective, weight_grad
     )
     if teacher is None:
         return HeadLoss(result, ce, correct, None, None)
