@@ -20,7 +20,6 @@ no part of ``mtp_hooks`` (the library patches nothing):
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 from typing import Any, Iterator, Optional
 
@@ -43,18 +42,17 @@ def megatron_runtime(seed: int = 0) -> Iterator[torch.device]:
     Yields the device to build the model on: the current GPU, or the CPU (with the CPU
     accommodations of this module open until the context closes).
     """
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    address = f"tcp://127.0.0.1:{_free_port()}"  # one process: its own rendezvous, whatever MASTER_PORT says
     torch.manual_seed(seed)
     with contextlib.ExitStack() as stack:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-            torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+            torch.distributed.init_process_group("nccl", init_method=address, rank=0, world_size=1)
             device = torch.device("cuda", 0)
         else:
             stack.enter_context(_cuda_current_device_is_cpu())
             stack.enter_context(_CudaFactoriesOnCpu())
-            torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+            torch.distributed.init_process_group("gloo", init_method=address, rank=0, world_size=1)
             device = torch.device("cpu")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
         if device.type == "cuda":
