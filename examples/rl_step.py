@@ -126,13 +126,12 @@ def training_step(hooks: mtp_hooks.MTPHooks, data: Iterator[MicroBatch], model: 
     return logits, functools.partial(policy_loss, batch)
 
 
-def mcore_tracker_line(iteration: int) -> str:
-    """mcore's MTP loss tracker, read and reset the way Megatron-LM's training loop does; empty when unfed."""
-    logged: dict[str, Tensor] = {}
+def track_mcore_mtp_losses(iteration: int, logged: dict[str, Tensor]) -> None:
+    """Move mcore's MTP loss tracker into ``logged`` after an optimizer step, as Megatron-LM's
+    training loop does (per-depth mean over the step's micro-batches); adds nothing when unfed."""
     MTPLossLoggingHelper.track_mtp_metrics(
         loss_scale=1 / NUM_MICRO_BATCHES, iteration=iteration, writer=None, total_loss_dict=logged
     )
-    return "  ".join(f"{name}={value.item():.4g}" for name, value in logged.items())
 
 
 def main() -> None:
@@ -150,17 +149,18 @@ def main() -> None:
             for batch, logprobs in zip(batches, old):
                 batch["old_logprobs"] = logprobs
             losses = []
+            tracked: dict[str, Tensor] = {}
             for _ in range(EPOCHS):
                 optimizer.zero_grad(set_to_none=True)
                 stored = run_schedule(model, functools.partial(training_step, hooks), batches, forward_only=False)
                 optimizer.step()
                 losses.append(torch.stack([d["pg loss"] for d in stored]).mean().item())
+                track_mcore_mtp_losses(iteration, tracked)
             print(f"iteration {iteration}: mean reward {rewards.mean().item():.3f}, "
                   f"pg loss per epoch {', '.join(f'{loss:+.4f}' for loss in losses)}")
             print(f"  MTP metrics: {format_metrics(hooks.metrics())}")
-            tracked = mcore_tracker_line(iteration)
-            if tracked:
-                print(f"  mcore MTP tracker: {tracked}")
+            if tracked:  # mean over the iteration's optimizer steps
+                print("  mcore MTP tracker: " + "  ".join(f"{name}={value.item() / EPOCHS:.4g}" for name, value in tracked.items()))
         hooks.remove()
 
 

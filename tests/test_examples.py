@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300  # a few seconds on 2 idle cores; generous for a loaded CI machine
 METRIC = re.compile(r"(mtp_\d+/\w+)=(\S+)")
@@ -72,3 +74,10 @@ def test_rl_step_runs_grpo_iterations_through_mcores_schedule_with_mtp_metrics()
     assert len(trained) == iterations, output
     for metrics in trained:
         assert_every_depth_trained(metrics, depths=2)
+    # Where the hooks feed mcore's MTP loss tracker, it agrees with the hooks' metrics (every
+    # micro-batch of the example has the same token count, so mean of means = token mean).
+    tracked = [dict(re.findall(r"(mtp_\d+) loss=(\S+)", line)) for line in output.splitlines() if "mcore MTP tracker:" in line]
+    assert len(tracked) in (0, iterations), output
+    for metrics, tracker in zip(trained, tracked):
+        for k in (1, 2):
+            assert float(tracker[f"mtp_{k}"]) == pytest.approx(metrics[f"mtp_{k}/loss"], rel=2e-3), output
