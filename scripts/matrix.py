@@ -10,13 +10,15 @@ whatever megatron-core the base venv has.
   their target folder.
 * Python 3.12 (0.17.1, 0.18.2, 0.19.2, which declare Python >= 3.12): ``.venv-py312`` from
   ``requirements/matrix-py312.txt`` (PyPI's CUDA torch wheel, which runs on CPU and brings the
-  ``triton`` that 0.18.2+ import). Without a Python 3.12 interpreter these releases are skipped
-  with the reason printed.
+  ``triton`` that 0.18.2+ import). Without a Python 3.12 interpreter these releases cannot run.
 
 Per release the log goes to ``matrix-out/<version>.log``; ``matrix-out/support_table.md`` gets
-the pass / fail / skip counts. Exit status 1 if any release failed, 0 otherwise.
+the pass / fail / skip counts. Exit status 1 if any release failed or any requested release could
+not run; with ``--allow-skip`` a release that could not run is reported in the table and the exit
+status only counts the releases that ran (so a green run cannot hide releases that never ran,
+unless asked for explicitly).
 
-Usage: ``python scripts/matrix.py [--versions 0.14.0,0.19.2] [--build-only] [-- PYTEST_ARGS...]``
+Usage: ``python scripts/matrix.py [--versions 0.14.0,0.19.2] [--build-only] [--allow-skip] [-- PYTEST_ARGS...]``
 """
 
 from __future__ import annotations
@@ -222,7 +224,10 @@ def write_table(outcomes: list[Outcome]) -> Path:
         )
     lines += ["", "Skip reasons per release:", ""]
     for o in outcomes:
-        reasons = skip_reasons(o.release.version) if o.status != "skipped" else []
+        if o.status == "skipped":
+            lines.append(f"- {o.release.version}: not run")
+            continue
+        reasons = skip_reasons(o.release.version)
         lines.append(f"- {o.release.version}: " + ("; ".join(reasons) if reasons else "none"))
     path = OUT / "support_table.md"
     OUT.mkdir(exist_ok=True)
@@ -241,6 +246,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--python311", default=str(ROOT / ".venv" / "bin" / "python"), help="Python 3.11 of the base venv (make venv)")
     parser.add_argument("--python312", default=os.environ.get("PY312"), help="a Python 3.12 interpreter (default: python3.12 on PATH or pyenv's 3.12.1)")
     parser.add_argument("--build-only", action="store_true", help="build the environments, run no tests")
+    parser.add_argument(
+        "--allow-skip",
+        action="store_true",
+        help="exit 0 even if a requested release could not run (e.g. no Python 3.12); without it that is a failure",
+    )
     args = parser.parse_args(argv)
 
     known = {release.version: release for release in RELEASES}
@@ -261,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if release.python == "3.12":
             if interpreter312 is None:
                 reason = "no Python 3.12 interpreter (set PY312=/path/to/python3.12)"
-                log(f"SKIP megatron-core {version}: {reason}")
+                log(f"CANNOT RUN megatron-core {version}: {reason}")
                 outcomes.append(Outcome(release, "skipped", reason=reason))
                 continue
             if python312 is None:
@@ -274,11 +284,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         outcomes.append(run_release(release, python, pytest_args))
 
-    if args.build_only:
-        return 0
-    table = write_table(outcomes)
-    print()
-    print(table.read_text())
+    skipped = [o for o in outcomes if o.status == "skipped"]
+    if not args.build_only:
+        table = write_table(outcomes)
+        print()
+        print(table.read_text())
+    if skipped:
+        names = ", ".join(f"{o.release.version} ({o.reason})" for o in skipped)
+        if not args.allow_skip:
+            log(f"FAILED: requested releases that could not run: {names}. Provide what they need, "
+                "drop them from --versions, or pass --allow-skip to accept running without them.")
+            return 1
+        log(f"not run (--allow-skip): {names}")
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 

@@ -8,7 +8,9 @@ from typing import Iterator
 import pytest
 import torch
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+# megatron-core's notices at import time (missing Transformer Engine / Apex), before pytest's
+# filterwarnings (pyproject.toml) take over.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
     MTPLossAutoScaler,
