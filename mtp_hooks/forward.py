@@ -63,6 +63,7 @@ class ForwardState:
     restore: list[tuple[nn.Module, str, Any]]
     mtp_layer_calls: int = 0
     attached: bool = False
+    loss_path: Optional[str] = None  # how the MTP losses were computed (``MTPHooks.loss_path``)
     in_own_head_call: bool = False
     # Metrics of this forward, added to the running sums only once the forward has completed.
     metrics: list[heads.DepthSums] = dataclasses.field(default_factory=list)
@@ -91,6 +92,7 @@ class ForwardHooks:
         self.metrics = MTPMetrics(self.depth)
         self.pending: Optional[MicroBatch] = None
         self.forward: Optional[ForwardState] = None
+        self.loss_path: Optional[str] = None  # of the last completed training forward
         self._model_ref = weakref.ref(model)
         self._arguments = CallArguments(model)
         self._calls = 0
@@ -229,6 +231,8 @@ class ForwardHooks:
             )
         if output is None:  # forward raised, and its micro-batch counts for nothing
             return None
+        if state.loss_path is not None:
+            self.loss_path = state.loss_path
         for entry in state.metrics:
             self.metrics.add(*entry)
             if model.training:  # stock mcore tracks only in training mode
@@ -249,13 +253,13 @@ class ForwardHooks:
         if state.train and not state.attached:
             assert state.targets is not None
             model = self.model
-            chunks = heads.split_block_output(hidden, self.depth)
             detach = self.options.detach_head or _mcore.config_detaches_heads(model.config)
-            hidden, state.metrics = heads.attach_mtp_losses(
+            hidden, state.metrics, state.loss_path = heads.attach_mtp_losses(
                 self.options,
                 model,
                 layer,
-                chunks,
+                hidden,
+                self.depth,
                 weight.detach() if detach else weight,
                 state.targets.labels,
                 state.targets.loss_mask,

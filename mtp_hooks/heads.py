@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
-from mtp_hooks.loss import argmax_matches, lean_mtp_loss
+from mtp_hooks.loss import argmax_matches, choose_weight_grad, lean_mtp_loss
 from mtp_hooks.options import Options
 from mtp_hooks.targets import align_with_depths, mtp_targets
 
@@ -64,37 +64,102 @@ def attach_mtp_losses(
     options: Options,
     model: nn.Module,
     layer: nn.Module,
-    chunks: tuple[Tensor, ...],
+    block_output: Tensor,
+    depth: int,
     weight: Tensor,
     labels: Tensor,
     loss_mask: Optional[Tensor],
     packed_seq_params: Any,
     call_head: HeadCall,
-) -> tuple[Tensor, list[DepthSums]]:
-    """Hang every depth's MTP loss on the main chunk; returns it and the per-depth metric sums.
+) -> tuple[Tensor, list[DepthSums], str]:
+    """Hang every depth's MTP loss on the main chunk of ``block_output`` ``[(1+N)s, b, h]``, N = ``depth``.
 
-    ``weight`` is the output weight the MTP heads use (already detached when they must not train
-    it). Normalisation follows the installed mcore release (``_mcore.depth_coefficient``).
+    Returns the main chunk (carrying the losses), the per-depth metric sums and the loss path
+    taken (``loss_path``). ``weight`` is the output weight the MTP heads use (already detached
+    when they must not train it). Normalisation follows the installed mcore release
+    (``_mcore.depth_coefficient``).
     """
-    depth = len(chunks) - 1
+    chunks = split_block_output(block_output, depth)
     loss_scale = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
-    depth_scale = loss_scale / depth
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
     cp_group = _mcore.cp_group_of(model)
     targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
     original_tokens = labels.new_tensor(labels.numel()) if loss_mask is None else loss_mask.sum()
-    teachers: list[Optional[Tensor]] = [None] * depth
+    tokens = [mask_k.sum() for _labels_k, mask_k in targets]
+    coefs = [_mcore.depth_coefficient(loss_scale / depth, per_token, original_tokens, n) for n in tokens]
+    if options.loss_impl == "dense":
+        main, sums = chunks[0], []
+        for k, (chunk, (labels_k, mask_k), coef) in enumerate(zip(chunks[1:], targets, coefs)):
+            objective, ce_sum, correct = _dense_depth_loss(model, layer, chunk, weight, labels_k, mask_k, coef, call_head)
+            main = _mcore.MTPLossAutoScaler.apply(main, objective)
+            sums.append((k, ce_sum, tokens[k], correct))
+        return main, sums, "dense"
+    teachers = None
     if options.compares_with_main_head:
-        teachers = list(_main_head_inputs(layer, chunks[0], depth, packed_seq_params, cp_group))
-    main = chunks[0]
-    sums: list[DepthSums] = []
-    for k, (chunk, (labels_k, mask_k), teacher) in enumerate(zip(chunks[1:], targets, teachers)):
-        tokens = mask_k.sum()
-        coef = _mcore.depth_coefficient(depth_scale, per_token, original_tokens, tokens)
-        objective, *depth_sums = _depth_loss(options, model, layer, chunk, weight, labels_k, mask_k, coef, teacher, call_head)
-        main = _mcore.MTPLossAutoScaler.apply(main, objective)
-        sums.append((k, depth_sums[0], tokens, *depth_sums[1:]))
-    return main, sums
+        teachers = _main_head_inputs(layer, chunks[0], depth, packed_seq_params, cp_group)
+    objective, sums, path = _lean_loss(options, layer, block_output[chunks[0].shape[0] :], chunks, weight, targets, tokens, coefs, teachers)
+    return _mcore.MTPLossAutoScaler.apply(chunks[0], objective), sums, path
+
+
+def _dense_depth_loss(
+    model: nn.Module, layer: nn.Module, chunk: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, coef: Any, call_head: HeadCall
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One depth as stock computes it: logits from the output layer, mcore's own CE."""
+    labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
+    logits = call_head(chunk, weight)
+    correct = argmax_matches(logits, labels_sb, _mcore.tp_group_of(layer))  # before mcore's CE, which may write into logits
+    ce = model.compute_language_model_loss(labels, logits).t()
+    return (ce * mask_sb).sum() * coef, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
+
+
+def _lean_loss(
+    options: Options,
+    layer: nn.Module,
+    depth_slab: Tensor,
+    chunks: tuple[Tensor, ...],
+    weight: Tensor,
+    targets: list[tuple[Tensor, Tensor]],
+    tokens: list[Tensor],
+    coefs: list[Any],
+    teachers: Optional[list[Tensor]],
+) -> tuple[Tensor, list[DepthSums], str]:
+    """All depths in one ``lean_mtp_loss`` call, so the fused weight gradient has one accumulator.
+
+    ``depth_slab`` is chunks 1..N of the block output as one view; tokens are ordered depth by
+    depth, each in ``[s, b]`` order, and every depth's tokens carry its own coefficient.
+    """
+    tp_group = _mcore.tp_group_of(layer)
+    if getattr(layer, "sequence_parallel", False):  # gather each depth's sequence shards apart
+        hidden = torch.cat([head_input(layer, chunk, tp_group) for chunk in chunks[1:]])
+    else:
+        hidden = head_input(layer, depth_slab, tp_group)
+    depth = len(targets)
+    per_depth = hidden.shape[0] * hidden.shape[1] // depth
+    masks = torch.stack([mask_k.t().reshape(-1) for _labels_k, mask_k in targets])  # [N, T]
+    token_weight = (masks * torch.stack([torch.as_tensor(c, dtype=masks.dtype, device=masks.device) for c in coefs]).unsqueeze(-1))
+    path = options.loss_impl
+    if path == "lean":
+        path = choose_weight_grad(hidden.shape[-1], depth * per_depth)
+    out = lean_mtp_loss(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        torch.cat([labels_k.t().reshape(-1) for labels_k, _mask_k in targets]),
+        token_weight.reshape(-1),
+        tp_group,
+        options.chunk_size or auto_chunk_size(weight.shape[0], per_depth),
+        options.objective,
+        None if teachers is None else torch.cat([t.reshape(-1, t.shape[-1]) for t in teachers]),
+        weight_grad=path,
+    )
+
+    def masked_sums(per_token: Tensor) -> Tensor:
+        return (per_token.view(depth, per_depth) * masks).sum(dim=1)
+
+    columns = [masked_sums(out.ce), masked_sums(out.correct)]
+    if out.agree is not None and out.accept is not None:
+        columns += [masked_sums(out.agree), masked_sums(out.accept)]
+    sums: list[DepthSums] = [(k, columns[0][k], tokens[k], *(c[k] for c in columns[1:])) for k in range(depth)]
+    return out.objective, sums, path if weight.requires_grad else "detached"
 
 
 def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_params: Any, cp_group: Any) -> list[Tensor]:
@@ -104,47 +169,6 @@ def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_par
         if getattr(layer, "sequence_parallel", False):
             main = gather_from_sequence_parallel_region(main, group=_mcore.tp_group_of(layer))
         return align_with_depths(main, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
-
-
-def _depth_loss(
-    options: Options,
-    model: nn.Module,
-    layer: nn.Module,
-    chunk: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    mask: Tensor,
-    coef: Any,
-    teacher: Optional[Tensor],
-    call_head: HeadCall,
-) -> tuple[Tensor, ...]:
-    """(objective carrying grad, detached masked CE sum, masked correct count[, masked argmax
-    agreements, masked expected acceptance with a ``teacher``]) of one depth."""
-    tp_group = _mcore.tp_group_of(layer)
-    labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
-    if options.loss_impl == "dense":
-        logits = call_head(chunk, weight)
-        correct = argmax_matches(logits, labels_sb, tp_group)  # before mcore's CE, which may write into logits
-        ce = model.compute_language_model_loss(labels, logits).t()
-        objective = (ce * mask_sb).sum() * coef
-        return objective, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
-    hidden = head_input(layer, chunk, tp_group)
-    chunk_size = options.chunk_size or auto_chunk_size(weight.shape[0], hidden.shape[0] * hidden.shape[1])
-    mask_flat = mask_sb.reshape(-1)
-    out = lean_mtp_loss(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        labels_sb.reshape(-1),
-        mask_flat * coef,
-        tp_group,
-        chunk_size,
-        options.objective,
-        None if teacher is None else teacher.reshape(-1, teacher.shape[-1]),
-    )
-    sums = [out.objective, (out.ce * mask_flat).sum(), (out.correct * mask_flat).sum()]
-    if out.agree is not None and out.accept is not None:
-        sums += [(out.agree * mask_flat).sum(), (out.accept * mask_flat).sum()]
-    return tuple(sums)
 
 
 def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:

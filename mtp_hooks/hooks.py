@@ -107,6 +107,16 @@ class MTPHooks:
         return self.model.config.mtp_loss_scaling_factor if scale is None else scale
 
     @property
+    def loss_path(self) -> Optional[str]:
+        """How the last completed training micro-batch computed its MTP losses, ``None`` before one.
+
+        ``"fused"`` (weight gradient accumulated in forward, stock's matmul count), ``"recompute"``
+        (weight gradient recomputed in backward, one head matmul more, no accumulator),
+        ``"detached"`` (lean with a detached head weight: no weight-gradient work) or ``"dense"``.
+        """
+        return self._hooks.loss_path
+
+    @property
     def detach_encoder(self) -> bool:
         return self.options.detach_encoder
 
@@ -208,8 +218,13 @@ def attach(
             in stock mcore.
         loss_scale: total MTP loss weight, split evenly over depths; ``None`` reads
             ``config.mtp_loss_scaling_factor`` at every forward.
-        loss_impl: ``"lean"`` (default) never keeps MTP logits for backward; ``"dense"``
-            computes them with the output layer, as stock mcore does.
+        loss_impl: ``"lean"`` (default) never keeps MTP logits for backward and picks per
+            forward ``"fused"`` (the head's weight gradient accumulated during forward in one fp32
+            ``[V/tp, h]`` buffer: stock's matmul count) unless that buffer outweighs the MTP
+            logits it replaces (``h > N * tokens``), then ``"recompute"`` (weight gradient
+            recomputed in backward: one head matmul per depth more, no buffer). ``"fused"`` and
+            ``"recompute"`` force a path; ``"dense"`` computes logits with the output layer and
+            mcore's own CE, as stock mcore does. ``loss_path`` says which path ran.
         chunk_size: tokens per chunk of the lean loss and log-probs; ``None`` keeps a chunk's
             fp32 logits under about 256 MiB and an eighth of all the logits.
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the

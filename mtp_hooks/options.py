@@ -9,11 +9,11 @@ from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
 from mtp_hooks.loss import OBJECTIVES
 
-LossImpl = Literal["lean", "dense"]
+LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Objective = Literal["ce", "distill", "tv"]
 Output = Literal["logits", "logprobs"]
 
-LOSS_IMPLS: tuple[str, ...] = ("lean", "dense")
+LOSS_IMPLS: tuple[str, ...] = ("lean", "fused", "recompute", "dense")
 OUTPUTS: tuple[str, ...] = ("logits", "logprobs")
 
 
@@ -64,7 +64,7 @@ class Options:
             _require_bool(name, getattr(self, name))
         if self.loss_impl == "dense" and (self.objective != "ce" or self.agreement_metrics):
             raise bad_argument(
-                "loss_impl", "'lean' for objective 'distill' / 'tv' and for agreement_metrics (dense keeps stock's CE)", "'dense'"
+                "loss_impl", "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' and for agreement_metrics (dense keeps stock's CE)", "'dense'"
             )
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))

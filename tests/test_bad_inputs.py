@@ -60,7 +60,7 @@ ATTACH_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "loss_scale_nan": ("loss_scale", {"loss_scale": float("nan")}),
     "loss_scale_string": ("loss_scale", {"loss_scale": "0.3"}),
     "loss_scale_bool": ("loss_scale", {"loss_scale": True}),
-    "loss_impl_unknown": ("loss_impl", {"loss_impl": "fused"}),
+    "loss_impl_unknown": ("loss_impl", {"loss_impl": "flash"}),
     "chunk_size_zero": ("chunk_size", {"chunk_size": 0}),
     "chunk_size_float": ("chunk_size", {"chunk_size": 2.5}),
     "chunk_size_bool": ("chunk_size", {"chunk_size": True}),

@@ -352,7 +352,7 @@ def test_refused_second_attach_registers_nothing() -> None:
 @pytest.mark.parametrize(
     "options, match",
     [
-        pytest.param({"loss_impl": "fused"}, "loss_impl", id="loss_impl"),
+        pytest.param({"loss_impl": "flash"}, "loss_impl", id="loss_impl"),
         pytest.param({"chunk_size": 0}, "chunk_size", id="chunk_size"),
         pytest.param({"detach_encoder": "yes"}, "detach_encoder", id="detach_encoder"),
         pytest.param({"loss_scale": -1.0}, "loss_scale", id="loss_scale"),

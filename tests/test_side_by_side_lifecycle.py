@@ -401,7 +401,7 @@ def test_errors_are_value_errors() -> None:
         ("loss_scale", float("nan")),
         ("loss_scale", True),
         ("loss_scale", "0.3"),
-        ("loss_impl", "fused"),
+        ("loss_impl", "flash"),
         ("loss_impl", None),
         ("chunk_size", 0),
         ("chunk_size", -8),
