@@ -44,10 +44,10 @@ def test_losses_logits_and_every_gradient_match_stock(
     twins = Twins(spec, seed=7, loss_impl=impl, chunk_size=5 if impl == "lean" else None)
     batch = make_batch(VOCAB, batch=2, seq=12, mask=mask, seed=depth)
 
-    stock, logits = twins.assert_step_matches(batch, path)
+    step = twins.assert_step_matches(batch, path)
 
-    assert logits.shape == (2, 12, VOCAB)
-    assert len(stock.mtp_losses) == depth
+    assert step.logits.shape == (2, 12, VOCAB)
+    assert len(step.stock.mtp_losses) == depth
     assert all(p.grad is not None and p.grad.any() for n, p in twins.hooked.named_parameters() if n.startswith("mtp."))
 
 

@@ -15,9 +15,8 @@ threads one after another is fine.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ from tests.mcore_cpu import (
     stock_mtp_losses,
     stock_train_step,
 )
+from tests.twins import assert_next_micro_batches_like_stock, mtp_block_calls
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -50,16 +50,6 @@ def twins() -> tuple[nn.Module, nn.Module]:
 
 def user_loss(logits: Tensor, batch: Batch) -> Tensor:
     return masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask)
-
-
-@contextlib.contextmanager
-def mtp_block_calls(model: nn.Module) -> Iterator[list[int]]:
-    calls: list[int] = []
-    handle = model.mtp.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
 
 
 def mtp_grads(model: nn.Module) -> dict[str, Optional[Tensor]]:
@@ -167,42 +157,58 @@ def test_training_after_inference_mode_works() -> None:
 # --------------------------------------------------------------------------- nesting
 
 
+def assert_refusal_left_stock_with_hooks(hooked: nn.Module, hooks: mtp_hooks.MTPHooks, config: TransformerConfig) -> None:
+    """After a refused call: the real config and ``mtp_process`` are back, and the next micro-batches
+    (inference, then training from zero gradients) behave like a fresh stock twin."""
+    assert hooked.config is config and type(hooked.config) is TransformerConfig and hooked.mtp_process is True
+    hooked.zero_grad(set_to_none=True)
+    assert_next_micro_batches_like_stock(hooked, hooks, SHAPE, 3, make_batch(VOCAB, seed=5))
+
+
 def test_nested_micro_batch_is_refused_and_outer_still_trains() -> None:
     hooked, stock = twins()
+    config = hooked.config
     hooks = mtp_hooks.attach(hooked)
     batch, other = make_batch(VOCAB, seed=0), make_batch(VOCAB, seed=1)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
-        with pytest.raises(mtp_hooks.MTPHooksError, match="micro_batch: bad value\n.*\n  received: a nested micro_batch"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a nested micro_batch"):
             with hooks.micro_batch(other.labels, other.loss_mask):
                 pytest.fail("nested micro_batch was accepted")
         logits = hooked(*batch.model_args)  # the outer targets are still the ones in effect
     user_loss(logits, batch).backward()
     stock_train_step(stock, batch)
     assert_same_grads(hooked, stock)
+    assert hooks.metrics()["mtp_1/loss"] == pytest.approx(stock_mtp_losses()[0], rel=1e-5)
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 def test_second_forward_in_one_micro_batch_is_refused() -> None:
     hooked, stock = twins()
+    config = hooked.config
     hooks = mtp_hooks.attach(hooked)
     batch = make_batch(VOCAB)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = hooked(*batch.model_args)
-        with pytest.raises(mtp_hooks.MTPHooksError, match="second forward inside the same micro_batch"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a second forward inside the same micro_batch"):
             hooked(*batch.model_args)
-    user_loss(logits, batch).backward()
+        assert hooked.config is config and hooked.mtp_process is True
+    user_loss(logits, batch).backward()  # the first forward's graph is intact
     stock_train_step(stock, batch)
     assert_same_grads(hooked, stock)
     assert hooks.metrics()["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 def test_labels_in_both_micro_batch_and_call_are_refused() -> None:
     hooked, _ = twins()
+    config = hooked.config
     hooks = mtp_hooks.attach(hooked)
     batch = make_batch(VOCAB)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
-        with pytest.raises(mtp_hooks.MTPHooksError, match="labels: bad value\n.*not both"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^labels: bad value\n  expected: .*not both\n  received: "):
             hooked(*batch.model_args, labels=batch.labels)
     assert hooks.metrics() == {}
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 # --------------------------------------------------------------------------- threads

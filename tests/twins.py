@@ -15,14 +15,16 @@ for tests whose reference is something else (a never-hooked twin, a hooked twin 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, main_ce_from_logits, masked_mean, output_layer_calls
 from tests.mcore_cpu import stock_mtp_losses
 
@@ -37,9 +39,25 @@ class StockRun:
     mtp_losses: list[float]
 
 
+@dataclasses.dataclass
+class TwinStep:
+    """One side-by-side micro-batch: the stock run, the hooked logits and the hooks' metrics."""
+
+    stock: StockRun
+    logits: Tensor
+    metrics: dict[str, float]
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The language model inside DDP-style (``.module``) or multimodal-style (``.language_model``) wrappers."""
+    while not hasattr(model, "output_layer"):
+        model = getattr(model, "module", None) or model.language_model
+    return model
+
+
 def stock_step(model: nn.Module, batch: Batch) -> StockRun:
     """Stock training step: backward of the masked mean of mcore's per-token loss."""
-    with output_layer_calls(model) as calls:
+    with output_layer_calls(unwrapped(model)) as calls:
         per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
     masked_mean(per_token, batch.loss_mask).backward()
     return StockRun(calls[-1].transpose(0, 1), stock_mtp_losses())
@@ -126,19 +144,20 @@ class Twins:
         atol: float = 1e-6,
         rtol: float = 1e-5,
         loss_rel: float = 1e-5,
-    ) -> tuple[StockRun, Tensor]:
+    ) -> TwinStep:
         """Run one training micro-batch on both twins; logits bit-identical, MTP losses and every gradient equal.
 
         Gradients accumulate over calls as in a training loop, so several calls compare the sums.
-        Returns the stock run and the hooked logits for further checks.
+        Returns what both sides produced (the hooks' metrics are read, so they start anew).
         """
         stock = self.stock_step(batch)
         logits = self.hooked_step(batch, path)
         assert torch.equal(logits, stock.logits.to(logits.dtype)), "main logits differ from stock"
         assert self.hooks is not None
-        assert_same_mtp_losses(self.hooks.metrics(), stock.mtp_losses, rel=loss_rel)
+        metrics = self.hooks.metrics()
+        assert_same_mtp_losses(metrics, stock.mtp_losses, rel=loss_rel)
         self.assert_same_grads(atol=atol, rtol=rtol)
-        return stock, logits
+        return TwinStep(stock, logits, metrics)
 
     def assert_same_grads(self, atol: float = 1e-6, rtol: float = 1e-5) -> None:
         """Every parameter's gradient of the hooked twin equals the stock twin's."""
@@ -147,3 +166,75 @@ class Twins:
     def zero_grad(self) -> None:
         self.stock.zero_grad(set_to_none=True)
         self.hooked.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def mtp_block_calls(model: nn.Module) -> Iterator[list[int]]:
+    """Record a ``1`` for every call of the MTP block while the context is open."""
+    calls: list[int] = []
+    handle = model.mtp.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def assert_next_micro_batches_like_stock(
+    model: nn.Module, hooks: mtp_hooks.MTPHooks, shape: TinyGPT, seed: int, batch: Batch
+) -> None:
+    """After an error: forwards without labels are inference with stock's logits, then training equals stock.
+
+    The reference is a fresh stock twin built from ``shape`` and ``seed`` (the weights ``model``
+    had when it was built, so ``model`` must not have taken an optimizer step). With detach
+    options the gradient reference is a twin hooked with the same options that never failed
+    (stock has no detach); logits and MTP losses are still checked against stock. The
+    caller clears ``model``'s gradients first if an earlier forward left some.
+    """
+    MTPLossLoggingHelper.tracker.clear()
+    stock = shape.build(seed)
+    expected = stock_step(stock, batch)
+    reference, reference_metrics = stock, None
+    if hooks.detach_encoder or hooks.detach_head:
+        reference = shape.build(seed)
+        with mtp_hooks.attached(reference, detach_encoder=hooks.detach_encoder, detach_head=hooks.detach_head) as other:
+            hooked_step(reference, other, batch)
+            reference_metrics = other.metrics()
+
+    with mtp_block_calls(model) as calls:
+        with torch.no_grad():
+            no_grad_logits = model(*batch.model_args)
+        logits = model(*batch.model_args)  # grad enabled, no labels: still inference
+        assert calls == [], "a stale target turned an inference call into a training one"
+        assert torch.equal(no_grad_logits, expected.logits) and torch.equal(logits.detach(), expected.logits)
+        assert hooks.metrics() == {}
+        logits = hooked_step(model, hooks, batch)
+        assert calls == [1], "a training micro-batch did not run the MTP block once"
+    assert torch.equal(logits, expected.logits)
+    metrics = hooks.metrics()
+    assert_same_mtp_losses(metrics, expected.mtp_losses)
+    if reference_metrics is not None:
+        assert metrics == pytest.approx(reference_metrics)
+    assert_same_grads(model, reference)
+
+
+class ModuleHolder(nn.Module):
+    """A DDP-style wrapper (like DDP and mcore's ``Float16Module``) exposing the model as ``.module``."""
+
+    def __init__(self, module: Optional[nn.Module]) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.module is not None
+        return self.module(*args, **kwargs)
+
+
+class LanguageModelHolder(nn.Module):
+    """A multimodal-style model exposing its GPTModel as ``.language_model``."""
+
+    def __init__(self, language_model: nn.Module) -> None:
+        super().__init__()
+        self.language_model = language_model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.language_model(*args, **kwargs)
