@@ -167,8 +167,10 @@ def _same_plain_value(a: Any, b: Any) -> bool:
 SWAPPABLE = frozenset({"config", "mtp_process"})
 
 
-def add_forward_probes(model: nn.Module, probe: Probe, found: list[str]) -> list[Any]:
-    """Pre-hooks that run the probe in the middle of a forward (decoder, first MTP layer, output layer)."""
+def probes_during(model: nn.Module, probe: Probe, run: Callable[[], Any]) -> list[str]:
+    """Run ``run`` with the probe checking from pre-hooks on the decoder, the output layer and the
+    first MTP layer. Returns the names of the probes that ran, followed by any problems found."""
+    found: list[str] = []
     handles = []
     targets = [("decoder", model.decoder), ("output_layer", model.output_layer), ("mtp.layers.0", model.mtp.layers[0])]
     for where, module in targets:
@@ -176,19 +178,12 @@ def add_forward_probes(model: nn.Module, probe: Probe, found: list[str]) -> list
             found.append(where)
             found.extend(probe.check(f"inside {where}", SWAPPABLE))
         handles.append(module.register_forward_pre_hook(hook))
-    return handles
-
-
-def stock_train(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
-    """A stock training step; returns mcore's per-token loss and its tracked MTP losses."""
-    with output_layer_calls(model) as calls:
-        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    assert len(calls) == 3, "stock MTP heads and main head must all run again"
-    return per_token.detach(), stock_mtp_losses()
-
-
-# --------------------------------------------------------------------------- tests
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
 
 
 def instance_attributes(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -232,20 +227,11 @@ def test_no_method_is_replaced_before_during_and_after_hooked_forwards(impl: str
     hooks = mtp_hooks.attach(model, loss_impl=impl, detach_encoder=detach, detach_head=detach)
     assert probe.check("after attach") == []
 
-    found: list[str] = []
-    handles = add_forward_probes(model, probe, found)
-    hooked_step(model, hooks, batch, "kwargs")
-    for handle in handles:
-        handle.remove()
+    found = probes_during(model, probe, lambda: hooked_step(model, hooks, batch, "kwargs"))
     assert [p for p in found if p.startswith("inside")] == [], found
     assert {"decoder", "output_layer", "mtp.layers.0"} <= set(found), "a probe did not run"
 
-    found.clear()
-    handles = add_forward_probes(model, probe, found)
-    with torch.no_grad():
-        model(*batch.model_args)
-    for handle in handles:
-        handle.remove()
+    found = probes_during(model, probe, torch.no_grad()(lambda: model(*batch.model_args)))
     assert [p for p in found if p.startswith("inside")] == [], found
     assert set(found) == {"decoder", "output_layer"}, "a probe did not run, or the MTP block ran"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import pytest
 import torch
@@ -31,8 +31,7 @@ from tests.mcore_cpu import stock_mtp_losses
 PATHS = ("context", "kwargs")
 
 
-@dataclasses.dataclass
-class StockRun:
+class StockRun(NamedTuple):
     """What a stock training micro-batch produced: main logits ``[b, s, V]`` and per-depth MTP losses."""
 
     logits: Tensor
@@ -196,7 +195,10 @@ def assert_next_micro_batches_like_stock(
     reference, reference_metrics = stock, None
     if hooks.detach_encoder or hooks.detach_head:
         reference = shape.build(seed)
-        with mtp_hooks.attached(reference, detach_encoder=hooks.detach_encoder, detach_head=hooks.detach_head) as other:
+        same_options = dict(
+            detach_encoder=hooks.detach_encoder, detach_head=hooks.detach_head, loss_impl=hooks.loss_impl, chunk_size=hooks.chunk_size
+        )
+        with mtp_hooks.attached(reference, **same_options) as other:
             hooked_step(reference, other, batch)
             reference_metrics = other.metrics()
 
