@@ -30,17 +30,8 @@ import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from mtp_hooks import _mcore
 from mtp_hooks.loss import OBJECTIVES, lean_mtp_loss
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_main_only_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import output_layer_calls, stock_main_only_step
 from tests.test_targets import Slot
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13

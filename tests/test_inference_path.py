@@ -11,17 +11,8 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_main_only_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import output_layer_calls, stock_main_only_step
 
 VOCAB = 64
 

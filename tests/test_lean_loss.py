@@ -19,13 +19,13 @@ from typing import Optional
 import pytest
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
 from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
 from tests.mcore_cpu import TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
+from tests.probes import LargestOutput
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 7]  # one token, not dividing T, exactly T, more than T
@@ -222,21 +222,6 @@ def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:
     assert saved, "the weight gradient needs hidden and weight"
     logits_numel = 12 * 29
     assert max(t.numel() for t in saved) < logits_numel, [tuple(t.shape) for t in saved]
-
-
-class LargestOutput(TorchDispatchMode):
-    """Records the largest tensor any op produces while active (forward and backward alike)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
 
 
 def test_chunked_lean_never_materialises_a_full_logits_tensor() -> None:

@@ -19,19 +19,8 @@ from megatron.core.models.gpt import gpt_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks import _mcore
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    hooked_train_step,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_main_only_step,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, hooked_train_step, main_ce_from_logits
+from tests.mcore_cpu import make_batch, masked_mean, stock_main_only_step, stock_mtp_losses, stock_train_step
 
 VOCAB = 97  # no other dimension of the tiny model is 97
 needs_packed_mtp = pytest.mark.skipif(

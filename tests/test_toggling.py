@@ -24,19 +24,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_main_only_step,
-    stock_mtp_losses,
-    stock_train_step,
-)
-from tests.twins import assert_next_micro_batches_like_stock, mtp_block_calls
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.twins import assert_next_micro_batches_like_stock, infer_inference_mode, infer_no_grad_with_labels
+from tests.twins import infer_with_grad, mtp_block_calls, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -60,31 +51,6 @@ def mtp_grads(model: nn.Module) -> dict[str, Optional[Tensor]]:
 
 # Each kind: (hooked step, stock step or None if nothing is backpropagated, trains MTP?)
 Step = Callable[[nn.Module, mtp_hooks.MTPHooks, Batch], None]
-
-
-def train_context(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        logits = model(*batch.model_args)
-    user_loss(logits, batch).backward()
-
-
-def train_kwargs(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    user_loss(model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch).backward()
-
-
-def infer_with_grad(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    """No labels, grad enabled, main loss backpropagated (a reference-free main-head update)."""
-    user_loss(model(*batch.model_args), batch).backward()
-
-
-def infer_no_grad_with_labels(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.no_grad(), hooks.micro_batch(batch.labels, batch.loss_mask):
-        model(*batch.model_args)
-
-
-def infer_inference_mode(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.inference_mode():
-        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
 
 
 def infer_eval_no_labels(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:

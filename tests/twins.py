@@ -240,3 +240,34 @@ class LanguageModelHolder(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.language_model(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- micro-batch kinds
+# Each runs one micro-batch of a kind that training loops mix, as ``kind(model, hooks, batch)``.
+
+
+def train_context(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
+    """A training micro-batch, labels through ``micro_batch``."""
+    hooked_step(model, hooks, batch, "context")
+
+
+def train_kwargs(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
+    """A training micro-batch, labels through ``model(..., labels=, loss_mask=)``."""
+    hooked_step(model, hooks, batch, "kwargs")
+
+
+def infer_with_grad(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
+    """No labels, grad enabled, main loss backpropagated (a reference-free main-head update)."""
+    masked_mean(main_ce_from_logits(model(*batch.model_args), batch.labels), batch.loss_mask).backward()
+
+
+def infer_no_grad_with_labels(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
+    """Labels through ``micro_batch`` but gradients disabled: an inference micro-batch."""
+    with torch.no_grad(), hooks.micro_batch(batch.labels, batch.loss_mask):
+        model(*batch.model_args)
+
+
+def infer_inference_mode(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
+    """Labels through the call under ``torch.inference_mode()``: an inference micro-batch."""
+    with torch.inference_mode():
+        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
