@@ -14,7 +14,7 @@ Multi-rank (vocab-parallel) runs of the same function are pinned elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -24,8 +24,9 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
 from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
-from tests.mcore_cpu import TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.probes import LargestOutput
+from tests.twins import hooked_step
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 7]  # one token, not dividing T, exactly T, more than T
@@ -299,12 +300,10 @@ def test_bf16_inputs_match_mcore_dense_within_bf16_rounding() -> None:
 SPEC = TinyGPT(vocab_size=80, hidden_size=32, mtp_num_layers=2)
 
 
-def hooked_train_step(model: torch.nn.Module, batch, **options) -> tuple[Tensor, dict[str, float]]:
+def hooked_train_step(model: torch.nn.Module, batch: Batch, **options: Any) -> tuple[Tensor, dict[str, float]]:
+    """One hooked training micro-batch under hooks attached for it; returns the logits and the metrics."""
     with mtp_hooks.attached(model, **options) as hooks:
-        with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
-            logits = model(*batch.model_args)
-        masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-        return logits.detach(), hooks.metrics()
+        return hooked_step(model, hooks, batch), hooks.metrics()
 
 
 @pytest.mark.parametrize("detach_head", [False, True])
