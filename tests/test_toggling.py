@@ -26,8 +26,8 @@ import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
 from tests.mcore_cpu import stock_main_only_step, stock_mtp_losses, stock_train_step
-from tests.twins import assert_next_micro_batches_like_stock, infer_inference_mode, infer_no_grad_with_labels
-from tests.twins import infer_with_grad, mtp_block_calls, train_context, train_kwargs
+from tests.twins import Twins, assert_next_micro_batches_like_stock, assert_same_mtp_losses, infer_inference_mode
+from tests.twins import infer_no_grad_with_labels, infer_with_grad, mtp_block_calls, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -131,37 +131,45 @@ def assert_refusal_left_stock_with_hooks(hooked: nn.Module, hooks: mtp_hooks.MTP
     assert_next_micro_batches_like_stock(hooked, hooks, SHAPE, 3, make_batch(VOCAB, seed=5))
 
 
+def assert_backward_like_stock(twins: Twins, logits: Tensor, batch: Batch) -> dict[str, float]:
+    """Backward of the user's loss from the open micro-batch's ``logits``: logits, MTP losses and every
+    gradient equal a stock training step on the same batch. Returns the hooks' metrics."""
+    assert twins.hooks is not None
+    user_loss(logits, batch).backward()
+    stock = twins.stock_step(batch)
+    assert torch.equal(logits.detach(), stock.logits)
+    metrics = twins.hooks.metrics()
+    assert_same_mtp_losses(metrics, stock.mtp_losses)
+    twins.assert_same_grads()
+    return metrics
+
+
 def test_nested_micro_batch_is_refused_and_outer_still_trains() -> None:
-    hooked, stock = twins()
-    config = hooked.config
-    hooks = mtp_hooks.attach(hooked)
+    twins = Twins(SHAPE, 3)
+    hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
+    assert hooks is not None
     batch, other = make_batch(VOCAB, seed=0), make_batch(VOCAB, seed=1)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a nested micro_batch"):
             with hooks.micro_batch(other.labels, other.loss_mask):
                 pytest.fail("nested micro_batch was accepted")
         logits = hooked(*batch.model_args)  # the outer targets are still the ones in effect
-    user_loss(logits, batch).backward()
-    stock_train_step(stock, batch)
-    assert_same_grads(hooked, stock)
-    assert hooks.metrics()["mtp_1/loss"] == pytest.approx(stock_mtp_losses()[0], rel=1e-5)
+    assert_backward_like_stock(twins, logits, batch)
     assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 def test_second_forward_in_one_micro_batch_is_refused() -> None:
-    hooked, stock = twins()
-    config = hooked.config
-    hooks = mtp_hooks.attach(hooked)
+    twins = Twins(SHAPE, 3)
+    hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
+    assert hooks is not None
     batch = make_batch(VOCAB)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = hooked(*batch.model_args)
         with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a second forward inside the same micro_batch"):
             hooked(*batch.model_args)
         assert hooked.config is config and hooked.mtp_process is True
-    user_loss(logits, batch).backward()  # the first forward's graph is intact
-    stock_train_step(stock, batch)
-    assert_same_grads(hooked, stock)
-    assert hooks.metrics()["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
+    metrics = assert_backward_like_stock(twins, logits, batch)  # the first forward's graph is intact
+    assert metrics["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
     assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
