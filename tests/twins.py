@@ -11,6 +11,10 @@ their weights are identical. On a training micro-batch:
 ``Twins.assert_step_matches`` runs both and checks main logits (bit-identical), per-depth MTP
 losses and every parameter's gradient with one call. The step functions are usable on their own
 for tests whose reference is something else (a never-hooked twin, a hooked twin without faults).
+
+Also here: ``assert_next_micro_batches_like_stock`` (after a refused input or a fault, the next
+inference and training micro-batches behave like stock), the micro-batch kinds training loops mix
+(``train_context``, ``infer_with_grad``, ...) and the DDP-style and multimodal-style wrappers.
 """
 
 from __future__ import annotations
