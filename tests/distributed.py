@@ -193,6 +193,13 @@ class SpawnedGroup:
             raise ScenarioFailed(self._format(f"{scenario.__qualname__}(layout={layout}, kwargs={kwargs})", reports))
         return [value for _, value in reports]
 
+    def __enter__(self) -> "SpawnedGroup":
+        """The ranks start on the first ``run``; leaving the block closes them, also after an error."""
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         for conn in self._conns:
             with contextlib.suppress(Exception):

@@ -600,3 +600,26 @@ def rolled(tensor: Tensor, k: int) -> Tensor:
     if k < tensor.shape[-1]:
         out[..., : tensor.shape[-1] - k] = tensor[..., k:]
     return out
+
+
+def thd_params(real: list[int], slot: list[int]) -> tuple[Any, Any]:
+    """``PackedSeqParams`` for one THD row: sequence ``i`` has ``real[i]`` tokens at the start of a slot of ``slot[i]``.
+
+    Returns what the model is given (real lengths in ``cu_seqlens_q``, slots in
+    ``cu_seqlens_q_padded`` where they differ) and the slot layout (``cu_seqlens_q`` set to the
+    slots, padded bounds where padded: how Megatron-LM, verl and NeMo-RL describe padded batches).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_real = torch.tensor([0, *real]).cumsum(0).to(torch.int32)
+    cu_slot = torch.tensor([0, *slot]).cumsum(0).to(torch.int32)
+    padded = real != slot
+
+    def params(cu: Tensor, cu_padded: Optional[Tensor]) -> PackedSeqParams:
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(slot), max_seqlen_kv=max(slot),
+        )
+
+    given = params(cu_real, cu_slot) if padded else params(cu_slot, None)
+    return given, params(cu_slot, cu_slot if padded else None)

@@ -24,14 +24,8 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.mcore_cpu import (
-    TinyGPT,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_main_only_step,
-)
+from tests.mcore_cpu import TinyGPT, grads_of, main_ce_from_logits, make_batch, masked_mean, stock_main_only_step
+from tests.twins import hooked_step
 
 VOCAB = 64
 ON, OFF, NEITHER = "mtp_on", "mtp_off", "neither"
@@ -77,9 +71,7 @@ def close(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
 def hooked_grads(model: nn.Module, **options: bool) -> dict[str, Optional[Tensor]]:
     batch = make_batch(VOCAB, seq=12, seed=21)
     with mtp_hooks.attached(model, **options) as hooks:
-        with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
-            logits = model(*batch.model_args)
-        masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+        hooked_step(model, hooks, batch)
         assert hooks.metrics()["mtp_1/tokens"] > 0
     return grads_of(model)
 

@@ -29,17 +29,8 @@ import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from mtp_hooks import _mcore
 from mtp_hooks.loss import OBJECTIVES, lean_mtp_loss
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_main_only_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import output_layer_calls, stock_main_only_step, thd_params
 from tests.test_targets import Slot
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
@@ -369,18 +360,7 @@ def packed_micro(seed: int, real: list[int], slot: list[int]) -> Micro:
         loss_mask[0, start : start + n - 1] = (torch.rand(n - 1, generator=gen) > 0.2).float()
         sequences.append((0, Slot(start, size, n)))
         start += size
-    cu_real = torch.tensor([0, *real]).cumsum(0).to(torch.int32)
-    cu_slot = torch.tensor([0, *slot]).cumsum(0).to(torch.int32)
-    padded = real != slot
-
-    def params(cu: Tensor, cu_padded: Optional[Tensor]) -> PackedSeqParams:
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(slot), max_seqlen_kv=max(slot),
-        )
-
-    given = params(cu_real, cu_slot) if padded else params(cu_slot, None)
-    layout = params(cu_slot, cu_slot if padded else None)
+    given, layout = thd_params(real, slot)
     return Micro(Batch(ids, positions, labels, loss_mask), sequences, given, layout)
 
 

@@ -20,19 +20,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    mtp_inner_layer,
-    output_layer_calls,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, make_batch, mtp_inner_layer, output_layer_calls
+from tests.mcore_cpu import stock_train_step
+from tests.twins import assert_next_micro_batches_like_stock, hooked_forward, hooked_step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -107,38 +97,6 @@ def raising_hook(module: nn.Module, pre: bool = False) -> Iterator[None]:
         handle.remove()
 
 
-@contextlib.contextmanager
-def mtp_block_calls(model: nn.Module) -> Iterator[list[int]]:
-    """Record every forward of the model's MTP block while the context is open."""
-    calls: list[int] = []
-    handle = model.mtp.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
-def hooked_forward(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path: str) -> Tensor:
-    if path == "context":
-        with hooks.micro_batch(batch.labels, batch.loss_mask):
-            return model(*batch.model_args)
-    return model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-
-
-def hooked_step(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path: str = "context") -> Tensor:
-    logits = hooked_forward(model, hooks, batch, path)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    return logits.detach()
-
-
-def stock_step(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
-    stock_mtp_losses()  # empty the tracker: it then holds this step's losses only
-    with output_layer_calls(model) as calls:
-        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    return calls[-1].transpose(0, 1), stock_mtp_losses()
-
-
 def zero_grads(model: nn.Module) -> None:
     for param in model.parameters():
         param.grad = None
@@ -149,7 +107,6 @@ class Rig:
 
     def __init__(self, **options: Any) -> None:
         self.model = SHAPE.build(7)
-        self.stock = SHAPE.build(7)
         self.untouched = SHAPE.build(7)
         self.before_attach = hook_dicts(self.model)
         self.before_attach_identities = attribute_identities(self.model)
@@ -168,35 +125,10 @@ class Rig:
         for name, grad in grads_of(self.model).items():
             assert grad is None, f"{name} got a gradient from a failed forward"
 
-    def assert_next_forwards_correct(self, options: dict[str, Any]) -> None:
-        """No stale labels (a plain forward is inference), then a training micro-batch equal to stock."""
-        batch = make_batch(VOCAB, seed=1)
-        with mtp_block_calls(self.model) as calls:
-            with torch.no_grad():
-                self.model(*batch.model_args)
-            self.model(*batch.model_args)  # grad enabled, no labels: still inference
-        assert calls == [], "a forward without labels ran the MTP block"
-        assert self.hooks.metrics() == {}
-
-        if options.get("detach_encoder"):
-            # stock cannot detach the encoder: the reference is a hooked twin that never saw a fault
-            reference = SHAPE.build(7)
-            reference_hooks = mtp_hooks.attach(reference, **options)
-            expected_logits = hooked_step(reference, reference_hooks, batch)
-            expected_metrics = reference_hooks.metrics()
-        else:
-            reference = self.stock
-            expected_logits, stock_losses = stock_step(reference, batch)
-        with mtp_block_calls(self.model) as calls:
-            logits = hooked_step(self.model, self.hooks, batch)
-        assert calls == [1]
-        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
-        metrics = self.hooks.metrics()
-        if options.get("detach_encoder"):
-            assert metrics == pytest.approx(expected_metrics)
-        else:
-            assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses, rel=1e-5)
-        assert_same_grads(self.model, reference)
+    def assert_next_forwards_correct(self) -> None:
+        """No stale labels (a plain forward is inference with stock's logits), then a training
+        micro-batch equal to stock (or, with detach options, to a hooked twin that never saw a fault)."""
+        assert_next_micro_batches_like_stock(self.model, self.hooks, SHAPE, 7, make_batch(VOCAB, seed=1))
 
     def assert_remove_restores_stock(self) -> None:
         """After ``remove()``: same hook dicts and attributes as before attach, bit-identical to a never-hooked twin."""
@@ -241,27 +173,25 @@ SITES: dict[str, Callable[[nn.Module], tuple[nn.Module, bool]]] = {
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 @pytest.mark.parametrize("site", list(SITES))
 def test_fault_inside_forward_leaves_stock_with_hooks(site: str, loss_impl: str, path: str) -> None:
-    options = {"loss_impl": loss_impl}
-    rig = Rig(**options)
+    rig = Rig(loss_impl=loss_impl)
     module, pre = SITES[site](rig.model)
     batch = make_batch(VOCAB, seed=0)
     with raising_hook(module, pre), pytest.raises(Fault, match="injected fault"):
         hooked_forward(rig.model, rig.hooks, batch, path)
     rig.assert_clean()
-    rig.assert_next_forwards_correct(options)
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
 @pytest.mark.parametrize("site", ["mtp_layer", "output_layer"])
 def test_fault_with_detached_encoder_leaves_stock_with_hooks(site: str) -> None:
     """``detach_encoder`` adds a pre-hook on every MTP layer that swaps the embedding for a proxy."""
-    options = {"detach_encoder": True}
-    rig = Rig(**options)
+    rig = Rig(detach_encoder=True)
     module, pre = SITES[site](rig.model)
     with raising_hook(module, pre), pytest.raises(Fault):
         hooked_forward(rig.model, rig.hooks, make_batch(VOCAB, seed=0), "context")
     rig.assert_clean()
-    rig.assert_next_forwards_correct(options)
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -272,7 +202,7 @@ def test_user_exception_inside_micro_batch_before_forward_drops_labels() -> None
         with rig.hooks.micro_batch(batch.labels, batch.loss_mask):
             raise Fault("user code failed before the forward")
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -286,7 +216,7 @@ def test_user_exception_inside_micro_batch_after_forward_drops_labels() -> None:
             raise Fault("user code failed after the forward")
     rig.hooks.metrics()  # that forward did complete; its metrics are not what this test pins
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -312,7 +242,7 @@ def test_bad_tensors_in_forward_leave_stock_with_hooks(
         with rig.hooks.micro_batch(batch.labels, batch.loss_mask):
             rig.model(input_ids, position_ids, None)
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -336,7 +266,7 @@ def test_bad_targets_are_refused_before_anything_changes(
     with pytest.raises(mtp_hooks.MTPHooksError, match=match):
         rig.model(*batch.model_args, labels=labels(batch), loss_mask=loss_mask(batch))
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -345,7 +275,7 @@ def test_refused_second_attach_registers_nothing() -> None:
     with pytest.raises(mtp_hooks.MTPHooksError, match="mtp_hooks already attached"):
         mtp_hooks.attach(rig.model, detach_encoder=True)
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -401,11 +331,7 @@ def test_raising_pre_hook_registered_before_attach_keeps_nesting_guard() -> None
     handle.remove()
     assert model.config is config and type(model.config) is TransformerConfig
     assert model.mtp_process is True
-    logits = hooked_step(model, hooks, batch)
-    stock = SHAPE.build(7)
-    expected_logits, _ = stock_step(stock, batch)
-    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
-    assert_same_grads(model, stock)
+    assert_next_micro_batches_like_stock(model, hooks, SHAPE, 7, batch)
 
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])

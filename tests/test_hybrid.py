@@ -15,46 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import mtp_hooks
 from mtp_hooks import _mcore
-from tests.mcore_cpu import (
-    HYBRID_MTP_MISSING,
-    Batch,
-    TinyHybrid,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_main_only_step,
-    stock_mtp_losses,
-)
+from tests.mcore_cpu import HYBRID_MTP_MISSING, TinyHybrid, assert_same_grads, grads_of, main_ce_from_logits, make_batch
+from tests.mcore_cpu import masked_mean, output_layer_calls, stock_main_only_step
+from tests.twins import Twins, hooked_step, stock_step
 
 pytestmark = pytest.mark.skipif(HYBRID_MTP_MISSING is not None, reason=str(HYBRID_MTP_MISSING))
 
 VOCAB = 61  # no other dimension of the tiny model is 61
-
-
-def stock_step(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
-    """Stock training step; returns the main logits ``[b, s, V]`` (last output-layer call) and MTP losses."""
-    with output_layer_calls(model) as calls:
-        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    return calls[-1].transpose(0, 1), stock_mtp_losses()
-
-
-def hooked_step(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path: str) -> Tensor:
-    """Hooked training step through ``micro_batch`` or the ``labels=`` kwargs; returns the logits."""
-    if path == "context":
-        with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
-            logits = model(*batch.model_args)
-    else:
-        logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    return logits.detach()
 
 
 def mtp_grads_are_empty(model: nn.Module) -> bool:
@@ -73,20 +44,14 @@ def grid() -> list[Any]:
 @pytest.mark.parametrize("depth,tied,mask,per_token,path,impl", grid())
 def test_losses_logits_and_every_gradient_match_stock(depth: int, tied: bool, mask: str, per_token: bool, path: str, impl: str) -> None:
     shape = TinyHybrid(vocab_size=VOCAB, mtp_num_layers=depth, tied=tied, config_overrides={"calculate_per_token_loss": per_token})
-    stock, hooked = shape.build(seed=11), shape.build(seed=11)
+    twins = Twins(shape, seed=11, loss_impl=impl, chunk_size=7 if impl == "lean" else None)
     batch = make_batch(VOCAB, seq=10, mask=mask, seed=depth)
 
-    stock_logits, stock_losses = stock_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked, loss_impl=impl, chunk_size=7 if impl == "lean" else None)
-    logits = hooked_step(hooked, hooks, batch, path)
+    step = twins.assert_step_matches(batch, path)
 
-    assert logits.shape == (2, 10, VOCAB)
-    assert torch.equal(logits, stock_logits)
-    metrics = hooks.metrics()
-    assert len(stock_losses) == depth
-    assert [metrics[f"mtp_{k}/loss"] for k in range(1, depth + 1)] == pytest.approx(stock_losses, rel=1e-5, abs=1e-6)
-    assert_same_grads(hooked, stock)
-    assert all(p.grad is not None and p.grad.any() for n, p in hooked.named_parameters() if n.startswith("mtp."))
+    assert step.logits.shape == (2, 10, VOCAB)
+    assert len(step.stock.mtp_losses) == depth
+    assert all(p.grad is not None and p.grad.any() for n, p in twins.hooked.named_parameters() if n.startswith("mtp."))
 
 
 def test_training_and_inference_micro_batches_accumulate_like_stock() -> None:

@@ -11,17 +11,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_main_only_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, make_batch
+from tests.mcore_cpu import output_layer_calls, stock_main_only_step
+from tests.twins import Twins, infer_with_grad, train_kwargs
 
 VOCAB = 64
 
@@ -87,12 +79,11 @@ CALLS: dict[str, Callable[[nn.Module, mtp_hooks.MTPHooks, Batch], Tensor]] = {
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("call", list(CALLS))
 def test_inference_returns_stock_logits_and_mtp_block_never_runs(call: str, tied: bool) -> None:
-    spec = TinyGPT(mtp_num_layers=2, tied=tied)
-    stock, hooked = spec.build(seed=11), spec.build(seed=11)
+    twins = Twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=11)
+    hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
+    assert hooks is not None
     batch = make_batch(VOCAB, seq=10, seed=3)
-    expected = stock_main_logits(stock, batch)
-    config = hooked.config
-    hooks = mtp_hooks.attach(hooked)
+    expected = stock_main_logits(twins.stock, batch)
 
     with mtp_calls(hooked) as calls, output_layer_calls(hooked) as head_calls:
         logits = CALLS[call](hooked, hooks, batch)
@@ -110,20 +101,19 @@ def test_inference_returns_stock_logits_and_mtp_block_never_runs(call: str, tied
 def test_labels_free_forward_with_grad_trains_only_the_main_model() -> None:
     """No labels but gradients on: the user's loss on the logits trains the trunk and head exactly
     as stock does when its MTP loss weighs 0; MTP parameters get no gradient at all."""
-    spec = TinyGPT(mtp_num_layers=2)
-    stock, hooked = spec.build(seed=4), spec.build(seed=4)
+    twins = Twins(TinyGPT(mtp_num_layers=2), seed=4)
+    hooked, hooks = twins.hooked, twins.hooks
+    assert hooks is not None
     batch = make_batch(VOCAB, seq=10, seed=4)
-    stock_main_only_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
+    stock_main_only_step(twins.stock, batch)
     with mtp_calls(hooked) as calls:
-        logits = hooked(*batch.model_args)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+        infer_with_grad(hooked, hooks, batch)
 
     assert calls == []
     grads = grads_of(hooked)
     assert all(grads[name] is None for name in grads if name.startswith("mtp.")), "MTP parameters got gradients"
     assert all(grads[name] is not None for name in grads if not name.startswith("mtp."))
-    assert_same_grads(hooked, stock)
+    twins.assert_same_grads()
     assert hooks.metrics() == {}
 
 
@@ -136,14 +126,11 @@ def test_inference_micro_batches_between_training_ones_leave_metrics_and_mtp_gra
     hooks = mtp_hooks.attach(hooked)
     ref_hooks = mtp_hooks.attach(reference)
 
-    logits = hooked(*train.model_args, labels=train.labels, loss_mask=train.loss_mask)
-    masked_mean(main_ce_from_logits(logits, train.labels), train.loss_mask).backward()
+    train_kwargs(hooked, hooks, train)
     with torch.no_grad():
         hooked(*infer.model_args, labels=infer.labels, loss_mask=infer.loss_mask)
     hooked(*infer.model_args)  # grad-enabled, labels-free: logits unused, nothing backpropagated
-
-    logits = reference(*train.model_args, labels=train.labels, loss_mask=train.loss_mask)
-    masked_mean(main_ce_from_logits(logits, train.labels), train.loss_mask).backward()
+    train_kwargs(reference, ref_hooks, train)
 
     assert hooks.metrics() == ref_hooks.metrics()
     assert_same_grads(hooked, reference, atol=0, rtol=0)

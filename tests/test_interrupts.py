@@ -19,7 +19,8 @@ from torch import nn
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.mcore_cpu import make_batch
-from tests.test_faults import SITES, VOCAB, Rig, hooked_forward
+from tests.test_faults import SITES, VOCAB, Rig
+from tests.twins import hooked_forward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -60,7 +61,7 @@ def test_interrupted_forward_is_cleaned_up_by_the_next_metrics_read(site: str, i
     interrupt_forward(rig, site, INTERRUPTS[interrupt])
     rig.hooks.metrics()
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
     rig.assert_remove_restores_stock()
 
 
@@ -70,7 +71,7 @@ def test_any_next_call_recovers_from_an_interrupted_forward(next_call: str) -> N
     interrupt_forward(rig, "mtp_layer", KeyboardInterrupt)
     NEXT_CALLS[next_call](rig)
     assert type(rig.model.config) is TransformerConfig and rig.model.mtp_process is True
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
 
 
 def test_remove_after_an_interrupted_forward_restores_stock() -> None:
@@ -85,7 +86,7 @@ def test_interrupted_forward_with_detached_encoder_recovers() -> None:
     interrupt_forward(rig, "mtp_layer", asyncio.CancelledError)
     rig.hooks.metrics()
     rig.assert_clean()
-    rig.assert_next_forwards_correct(options)
+    rig.assert_next_forwards_correct()
 
 
 def test_nested_forward_is_still_refused_after_recovery() -> None:
@@ -104,7 +105,7 @@ def test_nested_forward_is_still_refused_after_recovery() -> None:
         handle.remove()
     rig.hooks.metrics()
     rig.assert_clean()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
 
 
 def test_forward_of_a_thread_that_died_mid_forward_is_recovered_from_another_thread() -> None:
@@ -119,7 +120,7 @@ def test_forward_of_a_thread_that_died_mid_forward_is_recovered_from_another_thr
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()
 
 
 def test_forward_running_in_another_thread_is_not_mistaken_for_an_interrupted_one() -> None:
@@ -145,4 +146,4 @@ def test_forward_running_in_another_thread_is_not_mistaken_for_an_interrupted_on
         handle.remove()
     with torch.no_grad():
         rig.model(*batch.model_args)
-    rig.assert_next_forwards_correct({})
+    rig.assert_next_forwards_correct()

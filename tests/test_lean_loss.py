@@ -14,18 +14,19 @@ Multi-rank (vocab-parallel) runs of the same function are pinned elsewhere.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
 from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
-from tests.mcore_cpu import TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
+from tests.probes import LargestOutput
+from tests.twins import hooked_step
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 7]  # one token, not dividing T, exactly T, more than T
@@ -224,21 +225,6 @@ def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:
     assert max(t.numel() for t in saved) < logits_numel, [tuple(t.shape) for t in saved]
 
 
-class LargestOutput(TorchDispatchMode):
-    """Records the largest tensor any op produces while active (forward and backward alike)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
-
-
 def test_chunked_lean_never_materialises_a_full_logits_tensor() -> None:
     tokens, hidden_size, vocab, chunk = 32, 8, 64, 8
     case = make_case(seed=14, tokens=tokens, hidden=hidden_size, vocab=vocab)
@@ -314,12 +300,10 @@ def test_bf16_inputs_match_mcore_dense_within_bf16_rounding() -> None:
 SPEC = TinyGPT(vocab_size=80, hidden_size=32, mtp_num_layers=2)
 
 
-def hooked_train_step(model: torch.nn.Module, batch, **options) -> tuple[Tensor, dict[str, float]]:
+def hooked_train_step(model: torch.nn.Module, batch: Batch, **options: Any) -> tuple[Tensor, dict[str, float]]:
+    """One hooked training micro-batch under hooks attached for it; returns the logits and the metrics."""
     with mtp_hooks.attached(model, **options) as hooks:
-        with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
-            logits = model(*batch.model_args)
-        masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-        return logits.detach(), hooks.metrics()
+        return hooked_step(model, hooks, batch), hooks.metrics()
 
 
 @pytest.mark.parametrize("detach_head", [False, True])

@@ -14,19 +14,19 @@ forward without labels is refused.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
-from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import Tensor
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks.logprobs import lean_logprobs
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
+from tests.twins import mtp_block_calls
+from tests.probes import LargestOutput
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T
@@ -196,16 +196,6 @@ def rl_loss(logprobs: Tensor, entropy: Optional[Tensor], batch: Batch, advantage
     return loss
 
 
-@contextlib.contextmanager
-def mtp_block_calls(model: nn.Module) -> Iterator[list[int]]:
-    calls: list[int] = []
-    handle = model.mtp.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -300,21 +290,6 @@ def test_remove_after_logprobs_output_restores_stock() -> None:
     for loss in losses:
         (loss * batch.loss_mask).sum().backward()
     assert_same_grads(model, never_hooked, atol=0, rtol=0)
-
-
-class LargestOutput(TorchDispatchMode):
-    """Records the largest tensor any op produces while active (forward and backward alike)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
 
 
 def test_logprobs_training_micro_batch_never_materialises_batch_by_vocabulary_logits() -> None:

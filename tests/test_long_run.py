@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 import mtp_hooks
-from tests.mcore_cpu import Batch, TinyGPT, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import Batch, TinyGPT, make_batch
+from tests.twins import infer_inference_mode, infer_no_grad_with_labels, infer_with_grad, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -92,34 +93,6 @@ def rss_bytes() -> int:
 # --------------------------------------------------------------------------- the mix
 
 
-def user_loss(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    return masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask)
-
-
-def train_context(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        logits = model(*batch.model_args)
-    user_loss(logits, batch).backward()
-
-
-def train_kwargs(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    user_loss(model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch).backward()
-
-
-def infer_with_grad(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    user_loss(model(*batch.model_args), batch).backward()
-
-
-def infer_no_grad(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.no_grad(), hooks.micro_batch(batch.labels, batch.loss_mask):
-        model(*batch.model_args)
-
-
-def infer_inference_mode(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.inference_mode():
-        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-
-
 def train_eval_mode(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
     model.eval()
     try:
@@ -167,7 +140,7 @@ MIX: list[Callable[[nn.Module, mtp_hooks.MTPHooks, Batch], None]] = [
     train_kwargs,
     infer_with_grad,
     train_context,
-    infer_no_grad,
+    infer_no_grad_with_labels,
     infer_inference_mode,
     train_eval_mode,
     fault_in_output_layer,

@@ -25,19 +25,9 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.mcore_cpu import (
-    MTP_RECOMPUTE_BROKEN,
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    mtp_inner_layer,
-    output_layer_calls,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import MTP_RECOMPUTE_BROKEN, Batch, TinyGPT, assert_same_grads, main_ce_from_logits, make_batch
+from tests.mcore_cpu import masked_mean, mtp_inner_layer, output_layer_calls, stock_mtp_losses
+from tests.twins import Twins, hooked_step, stock_step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 needs_mtp_recompute = pytest.mark.skipif(MTP_RECOMPUTE_BROKEN is not None, reason=str(MTP_RECOMPUTE_BROKEN))
@@ -92,30 +82,23 @@ def stock_logits(model: nn.Module, batch: Batch) -> Tensor:
     return calls[-1].transpose(0, 1)
 
 
-def hooked_train(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> Tensor:
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        logits = model(*batch.model_args)
-    user_loss(logits, batch).backward()
-    return logits.detach()
-
-
 # ------------------------------------------------------------------------------ eval()
 
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_eval_with_labels_and_grad_is_a_training_micro_batch_like_stock(loss_impl: str) -> None:
-    stock, hooked = shape().build(5), shape().build(5)
-    stock.eval()
+    twins = Twins(shape(), 5, loss_impl=loss_impl)
+    hooked, hooks = twins.hooked, twins.hooks
+    assert hooks is not None
+    twins.stock.eval()
     hooked.eval()
     batch = make_batch(VOCAB)
-    with output_layer_calls(stock) as calls:
-        stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked, loss_impl=loss_impl)
+    stock = twins.stock_step(batch)
     with calls_of(hooked.mtp) as mtp_calls:
-        logits = hooked_train(hooked, hooks, batch)
+        logits = twins.hooked_step(batch)
     assert mtp_calls == [1]
-    assert torch.equal(logits, calls[-1].transpose(0, 1))
-    assert_same_grads(hooked, stock)
+    assert torch.equal(logits, stock.logits)
+    twins.assert_same_grads()
     assert hooks.metrics()["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
     assert not hooked.training and not any(m.training for m in hooked.modules())
 
@@ -185,9 +168,9 @@ def test_recompute_with_detached_encoder_equals_no_recompute(detach_head: bool) 
     batches = [make_batch(VOCAB, seed=seed) for seed in range(2)]
     for batch in batches:
         with calls_of(mtp_inner_layer(recomputed.mtp.layers[0])) as runs:
-            logits_r = hooked_train(recomputed, hooks_r, batch)
+            logits_r = hooked_step(recomputed, hooks_r, batch)
         assert len(runs) == 2, f"expected forward + recompute of the MTP layer, got {len(runs)} runs"
-        logits_p = hooked_train(plain, hooks_p, batch)
+        logits_p = hooked_step(plain, hooks_p, batch)
         torch.testing.assert_close(logits_r, logits_p, rtol=0, atol=0)
         assert hooks_r.metrics() == pytest.approx(hooks_p.metrics(), rel=1e-6)
     # a recomputed inference micro-batch with backward (no MTP) afterwards
@@ -207,17 +190,12 @@ def test_recompute_with_detached_encoder_equals_no_recompute(detach_head: bool) 
 @pytest.mark.usefixtures("cuda_rng_on_cpu")
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_recompute_without_detach_equals_stock_recompute(loss_impl: str) -> None:
-    stock, hooked, plain_stock = shape(**recompute("uniform")).build(5), shape(**recompute("uniform")).build(5), shape().build(5)
+    twins = Twins(shape(**recompute("uniform")), 5, loss_impl=loss_impl)
+    plain_stock = shape().build(5)
     batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    stock_losses = stock_mtp_losses()
-    stock_train_step(plain_stock, batch)
-    assert stock_mtp_losses() == pytest.approx(stock_losses)
-    assert_same_grads(stock, plain_stock)  # guard: recompute itself changes nothing in stock
-    hooks = mtp_hooks.attach(hooked, loss_impl=loss_impl)
-    with calls_of(mtp_inner_layer(hooked.mtp.layers[1])) as runs:
-        hooked_train(hooked, hooks, batch)
+    stock_losses = stock_step(plain_stock, batch).mtp_losses
+    with calls_of(mtp_inner_layer(twins.hooked.mtp.layers[1])) as runs:
+        step = twins.assert_step_matches(batch)
     assert len(runs) == 2
-    assert_same_grads(hooked, stock)
-    metrics = hooks.metrics()
-    assert [metrics[f"mtp_{k}/loss"] for k in range(1, DEPTH + 1)] == pytest.approx(stock_losses, rel=1e-5)
+    assert step.stock.mtp_losses == pytest.approx(stock_losses)
+    assert_same_grads(twins.stock, plain_stock)  # guard: recompute itself changes nothing in stock

@@ -23,18 +23,8 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import output_layer_calls, stock_mtp_losses, stock_train_step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -38,6 +38,7 @@ from tests.mcore_cpu import (
     output_layer_calls,
     rolled,
     stock_mtp_losses,
+    thd_params,
     tracked_mtp_losses,
 )
 
@@ -376,8 +377,6 @@ def _packed_batch(vocab_size: int, real: list[int], slot: list[int], seed: int) 
     ``cu_seqlens_q_padded`` when they differ) and the same params with ``cu_seqlens_q`` set to the
     slots (how Megatron-LM, verl and NeMo-RL describe padded batches to mcore).
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     gen = torch.Generator().manual_seed(seed)
     total = sum(slot)
     ids = torch.zeros(1, total, dtype=torch.long)
@@ -392,18 +391,7 @@ def _packed_batch(vocab_size: int, real: list[int], slot: list[int], seed: int) 
         labels[0, start : start + n - 1] = tokens[1:]
         loss_mask[0, start : start + n - 1] = (torch.rand(n - 1, generator=gen) > 0.2).float() if n > 1 else torch.zeros(0)
         start += size
-    cu_real = torch.tensor([0, *real]).cumsum(0).to(torch.int32)
-    cu_slot = torch.tensor([0, *slot]).cumsum(0).to(torch.int32)
-    padded = real != slot
-
-    def params(cu: Tensor, cu_padded: Optional[Tensor]) -> Any:
-        return PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(slot), max_seqlen_kv=max(slot),
-        )
-
-    given = params(cu_real, cu_slot) if padded else params(cu_slot, None)
-    return Batch(ids, positions, labels, loss_mask), given, params(cu_slot, cu_slot if padded else None)
+    return (Batch(ids, positions, labels, loss_mask), *thd_params(real, slot))
 
 
 def scenario_packed_sequences(padded: bool, loss_impl: str) -> dict[str, Any]:
@@ -510,11 +498,8 @@ def scenario_targets_context_parallel(examples: int, packed: bool) -> int:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[SpawnedGroup]:
-    spawned = SpawnedGroup(world_size=2)
-    try:
+    with SpawnedGroup(world_size=2) as spawned:
         yield spawned
-    finally:
-        spawned.close()
 
 
 TP2 = {"tensor_model_parallel_size": 2}

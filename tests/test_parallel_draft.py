@@ -251,11 +251,8 @@ def scenario_context_parallel_distill(gradients: bool) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[SpawnedGroup]:
-    spawned = SpawnedGroup(world_size=2)
-    try:
+    with SpawnedGroup(world_size=2) as spawned:
         yield spawned
-    finally:
-        spawned.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,10 @@ after remove:
 
 from __future__ import annotations
 
+import copy
+import gc
 import inspect
+import pickle
 import sys
 from typing import Any, Callable
 
@@ -24,18 +27,13 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.mcore_cpu import Batch, TinyGPT, grads_of, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
+from tests.mcore_cpu import stock_mtp_losses
+from tests.twins import LanguageModelHolder, ModuleHolder, Twins, hooked_step, stock_step
 
 VOCAB = 64
 HOOK_DICTS = (
@@ -169,8 +167,10 @@ def _same_plain_value(a: Any, b: Any) -> bool:
 SWAPPABLE = frozenset({"config", "mtp_process"})
 
 
-def add_forward_probes(model: nn.Module, probe: Probe, found: list[str]) -> list[Any]:
-    """Pre-hooks that run the probe in the middle of a forward (decoder, first MTP layer, output layer)."""
+def probes_during(model: nn.Module, probe: Probe, run: Callable[[], Any]) -> list[str]:
+    """Run ``run`` with the probe checking from pre-hooks on the decoder, the output layer and the
+    first MTP layer. Returns the names of the probes that ran, followed by any problems found."""
+    found: list[str] = []
     handles = []
     targets = [("decoder", model.decoder), ("output_layer", model.output_layer), ("mtp.layers.0", model.mtp.layers[0])]
     for where, module in targets:
@@ -178,7 +178,38 @@ def add_forward_probes(model: nn.Module, probe: Probe, found: list[str]) -> list
             found.append(where)
             found.extend(probe.check(f"inside {where}", SWAPPABLE))
         handles.append(module.register_forward_pre_hook(hook))
-    return handles
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def instance_attributes(model: nn.Module) -> dict[str, dict[str, int]]:
+    """id() of every instance attribute of every submodule (replaced attributes show up)."""
+    return {name: {key: id(value) for key, value in vars(m).items()} for name, m in model.named_modules()}
+
+
+def tensor_state(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
+
+
+def assert_stock_state(model: nn.Module, config: TransformerConfig) -> None:
+    """The language model holds its real config, ``mtp_process`` and embedding, and no hooks object."""
+    assert model.config is config and type(model.config) is TransformerConfig
+    assert model.mtp_process is True
+    assert type(model.embedding) is LanguageModelEmbedding
+    assert mtp_hooks.hooks_of(model) is None
+
+
+def stock_train(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
+    """A stock training step; returns mcore's per-token loss and its tracked MTP losses."""
+    with output_layer_calls(model) as calls:
+        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+    masked_mean(per_token, batch.loss_mask).backward()
+    assert len(calls) == 3, "stock MTP heads and main head must all run again"
+    return per_token.detach(), stock_mtp_losses()
 
 
 # --------------------------------------------------------------------------- tests
@@ -187,32 +218,27 @@ def add_forward_probes(model: nn.Module, probe: Probe, found: list[str]) -> list
 @pytest.mark.parametrize("detach", [False, True], ids=["plain", "detach_both"])
 @pytest.mark.parametrize("impl", ["lean", "dense"])
 def test_no_method_is_replaced_before_during_and_after_hooked_forwards(impl: str, detach: bool) -> None:
+    """Also: attach adds no parameter, buffer or state-dict entry and changes no weight."""
     model = TinyGPT(mtp_num_layers=2, tied=detach).build(seed=1)
     batch = make_batch(VOCAB, seq=8)
     probe = Probe(model)
+    params, state = [id(p) for p in model.parameters()], tensor_state(model)
     assert probe.check("before attach") == []
     hooks = mtp_hooks.attach(model, loss_impl=impl, detach_encoder=detach, detach_head=detach)
     assert probe.check("after attach") == []
 
-    found: list[str] = []
-    handles = add_forward_probes(model, probe, found)
-    logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    for handle in handles:
-        handle.remove()
+    found = probes_during(model, probe, lambda: hooked_step(model, hooks, batch, "kwargs"))
     assert [p for p in found if p.startswith("inside")] == [], found
     assert {"decoder", "output_layer", "mtp.layers.0"} <= set(found), "a probe did not run"
 
-    found.clear()
-    handles = add_forward_probes(model, probe, found)
-    with torch.no_grad():
-        model(*batch.model_args)
-    for handle in handles:
-        handle.remove()
+    found = probes_during(model, probe, torch.no_grad()(lambda: model(*batch.model_args)))
     assert [p for p in found if p.startswith("inside")] == [], found
     assert set(found) == {"decoder", "output_layer"}, "a probe did not run, or the MTP block ran"
 
     assert probe.check("after forwards") == []
+    assert [id(p) for p in model.parameters()] == params
+    assert tensor_state(model).keys() == state.keys()
+    assert all(torch.equal(value, state[key]) for key, value in tensor_state(model).items())
     hooks.remove()
     assert probe.check("after remove") == []
     assert "_mtp_hooks" not in vars(model)
@@ -232,14 +258,6 @@ def test_probe_detects_a_replaced_method_and_a_swapped_config() -> None:
     assert probe.check("restored") == []
 
 
-def stock_train(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
-    with output_layer_calls(model) as calls:
-        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    assert len(calls) == 3, "stock MTP heads and main head must all run again"
-    return per_token.detach(), stock_mtp_losses()
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -252,14 +270,16 @@ def stock_train(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
 )
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_remove_restores_outputs_gradients_state_and_hook_dicts_bit_for_bit(options: dict[str, Any], tied: bool) -> None:
-    spec = TinyGPT(mtp_num_layers=2, tied=tied)
-    model, never_hooked = spec.build(seed=4), spec.build(seed=4)
+    """After training and inference micro-batches and ``remove()`` (twice), the model is stock mcore
+    again: per-token loss out, mcore's own MTP loss and logging back, same attribute objects, and
+    outputs, gradients and state bit-identical to a never-hooked twin."""
+    twins = Twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=4, attach=False)
+    model, never_hooked = twins.hooked, twins.stock
     batch = make_batch(VOCAB, seq=10, seed=4)
-    config, keys, dicts = model.config, vars(model).keys(), hook_dicts(model)
+    config, attributes, dicts = model.config, instance_attributes(model), hook_dicts(model)
 
-    hooks = mtp_hooks.attach(model, **options)
-    logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    hooks = twins.attach(**options)
+    hooked_step(model, hooks, batch, "kwargs")
     with hooks.micro_batch(labels=batch.labels):
         model(*batch.model_args).sum().backward()
     model(*batch.model_args)
@@ -267,22 +287,20 @@ def test_remove_restores_outputs_gradients_state_and_hook_dicts_bit_for_bit(opti
     hooks.remove()  # twice is harmless
 
     model.zero_grad(set_to_none=True)
-    assert model.config is config
-    assert model.mtp_process is True
-    assert vars(model).keys() == keys
+    assert_stock_state(model, config)
+    assert instance_attributes(model) == attributes
     assert hook_dicts(model) == dicts
-    assert mtp_hooks.hooks_of(model) is None
     assert all(not getattr(m, d) for m in model.modules() for d in HOOK_DICTS[:5]), "a forward hook is left"
     MTPLossLoggingHelper.tracker.clear()
 
     loss, losses = stock_train(model, batch)
     ref_loss, ref_losses = stock_train(never_hooked, batch)
-    assert torch.equal(loss, ref_loss)
-    assert losses == ref_losses and len(losses) == 2
-    ours, ref = grads_of(model), grads_of(never_hooked)
-    assert ours.keys() == ref.keys()
-    for name in ref:
-        assert ours[name] is not None and torch.equal(ours[name], ref[name]), name
+    assert torch.equal(loss, ref_loss)  # a per-token loss again, not logits
+    assert losses == ref_losses and len(losses) == 2  # mcore's own MTP loss and logging are back
+    ours_grads, ref_grads = grads_of(model), grads_of(never_hooked)
+    assert ours_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        assert ours_grads[name] is not None and torch.equal(ours_grads[name], ref_grads[name]), name
     state, ref_state = model.state_dict(), never_hooked.state_dict()
     assert state.keys() == ref_state.keys()
     for name, value in ref_state.items():
@@ -291,64 +309,105 @@ def test_remove_restores_outputs_gradients_state_and_hook_dicts_bit_for_bit(opti
 
 
 def test_attach_again_after_remove_works_like_the_first_time() -> None:
-    spec = TinyGPT(mtp_num_layers=2)
-    model, twin = spec.build(seed=6), spec.build(seed=6)
+    """Attach, remove, remove again, attach (another loss): equal to a twin hooked once, and to stock."""
+    twins = Twins(TinyGPT(mtp_num_layers=2), seed=6, attach=False)
+    model, config = twins.hooked, twins.hooked.config
+    first_time = TinyGPT(mtp_num_layers=2).build(seed=6)
     batch = make_batch(VOCAB, seq=8, seed=6)
-    mtp_hooks.attach(model).remove()
-    hooks, twin_hooks = mtp_hooks.attach(model), mtp_hooks.attach(twin)
-    for m in (model, twin):
-        logits = m(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-        masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    assert hooks.metrics() == twin_hooks.metrics()
-    for name, grad in grads_of(twin).items():
+    hooks = twins.attach()
+    hooks.remove()
+    hooks.remove()
+    assert_stock_state(model, config)
+    again, first_time_hooks = twins.attach(loss_impl="dense"), mtp_hooks.attach(first_time, loss_impl="dense")
+    assert mtp_hooks.hooks_of(model) is again
+    hooked_step(first_time, first_time_hooks, batch, "kwargs")
+    step = twins.assert_step_matches(batch, "kwargs")
+    assert step.metrics == first_time_hooks.metrics()
+    for name, grad in grads_of(first_time).items():
         assert torch.equal(grads_of(model)[name], grad), name
 
 
 def test_attached_context_manager_removes_on_exit_and_on_error() -> None:
-    model = TinyGPT(mtp_num_layers=1).build(seed=2)
+    twins = Twins(TinyGPT(mtp_num_layers=1), seed=2, attach=False)
+    model, config = twins.hooked, twins.hooked.config
     batch = make_batch(VOCAB, seq=8)
     dicts = hook_dicts(model)
-    with mtp_hooks.attached(model, loss_impl="dense") as hooks:
+    with mtp_hooks.attached(model, loss_impl="dense", chunk_size=4) as hooks:
+        twins.hooks = hooks
         assert mtp_hooks.hooks_of(model) is hooks
+        assert (hooks.loss_impl, hooks.chunk_size) == ("dense", 4)
         assert hook_dicts(model) != dicts
-        logits = model(*batch.model_args, labels=batch.labels)
-        assert logits.shape == (2, 8, VOCAB)
-    assert mtp_hooks.hooks_of(model) is None and hook_dicts(model) == dicts
+        assert twins.assert_step_matches(batch, "kwargs").logits.shape == (2, 8, VOCAB)
+    assert hook_dicts(model) == dicts
+    assert_stock_state(model, config)
 
     with pytest.raises(RuntimeError, match="inside the block"):
         with mtp_hooks.attached(model):
             raise RuntimeError("inside the block")
-    assert mtp_hooks.hooks_of(model) is None and hook_dicts(model) == dicts
+    assert hook_dicts(model) == dicts
+    assert_stock_state(model, config)
 
     with mtp_hooks.attach(model) as hooks:  # the handle is a context manager too
         assert mtp_hooks.hooks_of(model) is hooks
-    assert mtp_hooks.hooks_of(model) is None and hook_dicts(model) == dicts
+    assert hook_dicts(model) == dicts
+    assert_stock_state(model, config)
 
 
-class LanguageModelHolder(nn.Module):
-    """A multimodal-style model exposing its GPTModel as ``.language_model``."""
+def test_hooks_do_not_keep_the_model_alive() -> None:
+    model = TinyGPT(mtp_num_layers=1).build(seed=2)
+    hooks = mtp_hooks.attach(model)
+    assert hooks.model is model
+    del model
+    gc.collect()
+    with pytest.raises(mtp_hooks.MTPHooksError, match="no longer exists"):
+        hooks.model
+    hooks.remove()
 
-    def __init__(self, language_model: nn.Module) -> None:
-        super().__init__()
-        self.language_model = language_model
 
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.language_model(*args, **kwargs)
+def test_model_config_reads_no_mtp_layers_only_during_forward() -> None:
+    model = TinyGPT(mtp_num_layers=2).build(seed=2)
+    config = model.config
+    seen: dict[str, Any] = {}
 
+    def probe(module: nn.Module, args: Any) -> None:
+        view = model.config
+        seen.update(
+            is_real=view is config,
+            isinstance=isinstance(view, TransformerConfig),
+            mtp_num_layers=view.mtp_num_layers,
+            hidden_size=view.hidden_size,
+            factor=view.mtp_loss_scaling_factor,
+            submodules_real=all(m.config is config for m in (model.decoder, model.mtp, model.mtp.layers[0])),
+        )
+        view.probe_marker = "written through"  # writes reach the real config
+        for copier in (copy.deepcopy, pickle.dumps):
+            try:
+                copier(view)
+            except TypeError:
+                seen.setdefault("uncopyable", []).append(copier.__name__)
 
-class ModuleHolder(nn.Module):
-    """A DDP-style wrapper exposing the model as ``.module``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.module(*args, **kwargs)
+    model.decoder.register_forward_pre_hook(probe)
+    hooks = mtp_hooks.attach(model)
+    try:
+        hooked_step(model, hooks, make_batch(VOCAB))
+        assert seen == {
+            "is_real": False,
+            "isinstance": True,
+            "mtp_num_layers": None,
+            "hidden_size": config.hidden_size,
+            "factor": config.mtp_loss_scaling_factor,
+            "submodules_real": True,
+            "uncopyable": ["deepcopy", "dumps"],
+        }
+        assert config.probe_marker == "written through"
+        assert model.config is config and config.mtp_num_layers == 2
+    finally:
+        del config.probe_marker
 
 
 WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "module": ModuleHolder,
+    "module_of_module": lambda m: ModuleHolder(ModuleHolder(m)),
     "language_model": LanguageModelHolder,
     "module_of_language_model": lambda m: ModuleHolder(LanguageModelHolder(m)),
 }
@@ -356,26 +415,13 @@ WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_attach_through_wrappers_trains_like_stock_and_removes_cleanly(wrapper: str) -> None:
-    spec = TinyGPT(mtp_num_layers=2)
-    inner, stock = spec.build(seed=5), spec.build(seed=5)
-    wrapped = WRAPPERS[wrapper](inner)
-    batch = make_batch(VOCAB, seq=10, seed=5)
+    twins = Twins(TinyGPT(mtp_num_layers=2), seed=5, wrap=WRAPPERS[wrapper], attach=False)
+    inner, wrapped = twins.hooked, twins.called
     dicts = hook_dicts(inner)
-
-    with output_layer_calls(stock) as calls:
-        masked_mean(stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch.loss_mask).backward()
-    stock_losses = stock_mtp_losses()
-    hooks = mtp_hooks.attach(wrapped)
+    hooks = twins.attach()
     assert mtp_hooks.hooks_of(wrapped) is hooks and mtp_hooks.hooks_of(inner) is hooks
     assert hooks.model is inner
-    logits = wrapped(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-
-    assert torch.equal(logits, calls[-1].transpose(0, 1))
-    metrics = hooks.metrics()
-    assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses, rel=1e-5)
-    for name, grad in grads_of(stock).items():
-        torch.testing.assert_close(grads_of(inner)[name], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    twins.assert_step_matches(make_batch(VOCAB, seq=10, seed=5), "kwargs")
     with pytest.raises(mtp_hooks.MTPHooksError, match="already"):
         mtp_hooks.attach(inner)
     hooks.remove()
@@ -385,14 +431,11 @@ def test_attach_through_wrappers_trains_like_stock_and_removes_cleanly(wrapper: 
 def test_attach_through_mcore_float16_module() -> None:
     """mcore's own bf16 wrapper (``.module``): logits equal stock's, MTP losses and gradients within bf16."""
     spec = TinyGPT(mtp_num_layers=2, params_dtype=torch.bfloat16)
-    stock_inner, inner = spec.build(seed=3), spec.build(seed=3)
-    stock, wrapped = Float16Module(stock_inner.config, stock_inner), Float16Module(inner.config, inner)
-    config = inner.config
+    wrap = lambda m: Float16Module(m.config, m)  # noqa: E731
+    twins = Twins(spec, seed=3, wrap=wrap, attach=False)
+    stock, wrapped, config = wrap(twins.stock), twins.called, twins.hooked.config
     batch = make_batch(VOCAB, seq=10, seed=3)
-    with output_layer_calls(stock.module) as calls:
-        per_token = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    stock_losses = stock_mtp_losses()
+    expected = stock_step(stock, batch)
 
     with mtp_hooks.attached(wrapped) as hooks:
         assert hooks.model is wrapped.module
@@ -401,10 +444,10 @@ def test_attach_through_mcore_float16_module() -> None:
         metrics = hooks.metrics()
 
     assert logits.dtype == torch.float32  # Float16Module upcasts the last stage's output
-    assert torch.equal(logits, calls[-1].transpose(0, 1).float())
-    assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses, rel=1e-2)
+    assert torch.equal(logits, expected.logits.float())
+    assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(expected.mtp_losses, rel=1e-2)
     stock_grads = grads_of(stock)
     for name, grad in grads_of(wrapped).items():
         assert grad is not None, name
         torch.testing.assert_close(grad.float(), stock_grads[name].float(), atol=2e-3, rtol=5e-2, msg=lambda m: f"{name}: {m}")
-    assert inner.config is config and inner.mtp_process is True and mtp_hooks.hooks_of(wrapped) is None
+    assert twins.hooked.config is config and twins.hooked.mtp_process is True and mtp_hooks.hooks_of(wrapped) is None

@@ -19,29 +19,16 @@ from megatron.core.models.gpt import gpt_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks import _mcore
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    hooked_train_step,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_main_only_step,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, hooked_train_step, main_ce_from_logits
+from tests.mcore_cpu import make_batch, masked_mean, stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.twins import Twins, assert_same_mtp_losses
 
 VOCAB = 97  # no other dimension of the tiny model is 97
+TWIN_SHAPE = TinyGPT(vocab_size=VOCAB)
 needs_packed_mtp = pytest.mark.skipif(
     not _mcore.ROLLS_PACKED_SEQUENCES,
     reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
 )
-
-
-def twins(shape: TinyGPT, n: int = 2) -> list[Any]:
-    return [shape.build() for _ in range(n)]
 
 
 def assert_metrics_match_stock(metrics: dict[str, float], stock_losses: list[float], tokens: list[float]) -> None:
@@ -73,12 +60,8 @@ def test_stock_mcore_0_16_cannot_return_logits_when_mtp_is_configured() -> None:
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 64])
 def test_lean_chunking_does_not_change_gradients(chunk_size: int) -> None:
     """16 tokens per depth: chunks of 1, uneven chunks, exactly one chunk and one oversized chunk."""
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
-    batch = make_batch(VOCAB, batch=2, seq=8)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked, loss_impl="lean", chunk_size=chunk_size)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    twins = Twins(TinyGPT(vocab_size=VOCAB), loss_impl="lean", chunk_size=chunk_size)
+    twins.assert_step_matches(make_batch(VOCAB, batch=2, seq=8))
 
 
 @pytest.mark.parametrize(
@@ -90,32 +73,19 @@ def test_lean_chunking_does_not_change_gradients(chunk_size: int) -> None:
     ],
 )
 def test_gradients_match_stock_with_config(overrides: dict[str, Any]) -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB, config_overrides=overrides))
-    batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    Twins(TinyGPT(vocab_size=VOCAB, config_overrides=overrides)).assert_step_matches(make_batch(VOCAB))
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_gradients_match_stock_with_rope(tied: bool) -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB, tied=tied, position_embedding_type="rope"))
-    batch = make_batch(VOCAB, batch=3, seq=10)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    twins = Twins(TinyGPT(vocab_size=VOCAB, tied=tied, position_embedding_type="rope"))
+    twins.assert_step_matches(make_batch(VOCAB, batch=3, seq=10))
 
 
 @pytest.mark.parametrize("batch_size, seq", [(1, 4), (1, 16), (4, 6)])
 def test_gradients_match_stock_across_batch_shapes(batch_size: int, seq: int) -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB, mtp_num_layers=3))
-    batch = make_batch(VOCAB, batch=batch_size, seq=seq)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    twins = Twins(TinyGPT(vocab_size=VOCAB, mtp_num_layers=3))
+    twins.assert_step_matches(make_batch(VOCAB, batch=batch_size, seq=seq))
 
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
@@ -124,29 +94,26 @@ def test_bf16_gradients_match_stock(loss_impl: str) -> None:
 
     Dense reuses mcore's head and CE; lean reduces in fp32: both within bf16 rounding of stock.
     """
-    shape = TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16)
-    stock, hooked = (model.to(torch.bfloat16) for model in twins(shape))
-    batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked, loss_impl=loss_impl)
-    logits = hooked_train_step(hooked, hooks, batch)
-    assert logits.dtype == torch.bfloat16
-    for grad in grads_of(hooked).values():
+    twins = Twins(TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16), attach=False)
+    twins.stock.to(torch.bfloat16), twins.hooked.to(torch.bfloat16)
+    twins.attach(loss_impl=loss_impl)
+    step = twins.assert_step_matches(make_batch(VOCAB), atol=2e-3, rtol=2**-6, loss_rel=2**-7)
+    assert step.logits.dtype == torch.bfloat16
+    for grad in grads_of(twins.hooked).values():
         assert grad is None or grad.dtype == torch.bfloat16
-    assert_same_grads(hooked, stock, atol=2e-3, rtol=2**-6)
 
 
 def test_eval_mode_still_trains_mtp_like_stock() -> None:
     """Stock attaches the MTP loss in eval mode too (only its logging is gated on ``training``)."""
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
-    stock.eval()
-    hooked.eval()
+    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    twins.stock.eval()
+    twins.hooked.eval()
     batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    assert stock_mtp_losses() == []
-    hooks = mtp_hooks.attach(hooked)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    stock = twins.stock_step(batch)
+    assert stock.mtp_losses == []
+    assert torch.equal(twins.hooked_step(batch), stock.logits)
+    twins.assert_same_grads()
+    hooks = twins.hooks
     assert set(hooks.metrics()) == {f"mtp_{k}/{m}" for k in (1, 2) for m in ("loss", "acc", "tokens")}
 
 
@@ -154,20 +121,17 @@ def test_eval_mode_still_trains_mtp_like_stock() -> None:
 
 
 def test_config_scaling_factor_is_read_at_every_forward() -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
-    hooks = mtp_hooks.attach(hooked)
+    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    hooks = twins.hooks
     assert hooks.loss_scale == pytest.approx(0.3)
-    stock.config.mtp_loss_scaling_factor = 1.25
-    hooked.config.mtp_loss_scaling_factor = 1.25
+    twins.stock.config.mtp_loss_scaling_factor = 1.25
+    twins.hooked.config.mtp_loss_scaling_factor = 1.25
     assert hooks.loss_scale == 1.25
-    batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    twins.assert_step_matches(make_batch(VOCAB))
 
 
 def test_zero_loss_scale_is_main_loss_only() -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
+    stock, hooked = TWIN_SHAPE.build(), TWIN_SHAPE.build()
     batch = make_batch(VOCAB)
     stock_main_only_step(stock, batch)
     hooks = mtp_hooks.attach(hooked, loss_scale=0.0)
@@ -180,13 +144,10 @@ def test_zero_loss_scale_is_main_loss_only() -> None:
 
 def test_mtp_loss_auto_scaler_scale_applies_like_stock() -> None:
     """Megatron's schedules set the AutoScaler's scale to the main loss scale; the hooks obey it too."""
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
-    batch = make_batch(VOCAB)
+    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    hooked, batch = twins.hooked, make_batch(VOCAB)
     MTPLossAutoScaler.set_loss_scale(torch.tensor(0.25))
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
-    hooked_train_step(hooked, hooks, batch)
-    assert_same_grads(hooked, stock)
+    twins.assert_step_matches(batch)
 
     # and the scale really matters: at scale 1 the MTP gradients differ
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
@@ -201,7 +162,7 @@ def test_mtp_loss_auto_scaler_scale_applies_like_stock() -> None:
 
 
 def test_positional_labels_match_stock() -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
+    stock, hooked = TWIN_SHAPE.build(), TWIN_SHAPE.build()
     batch = make_batch(VOCAB, mask="none")
     # GPTModel.forward(input_ids, position_ids, attention_mask, decoder_input, labels, ...)
     stock_loss = stock(batch.input_ids, batch.position_ids, None, None, batch.labels)
@@ -213,14 +174,16 @@ def test_positional_labels_match_stock() -> None:
 
 
 def test_bool_loss_mask_matches_float_mask() -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
+    twins = Twins(TinyGPT(vocab_size=VOCAB))
     batch = make_batch(VOCAB)
-    stock_train_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked)
-    with hooks.micro_batch(batch.labels, batch.loss_mask.bool()):
-        logits = hooked(*batch.model_args)
+    stock = twins.stock_step(batch)
+    assert twins.hooks is not None
+    with twins.hooks.micro_batch(batch.labels, batch.loss_mask.bool()):
+        logits = twins.hooked(*batch.model_args)
     masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    assert_same_grads(hooked, stock)
+    assert torch.equal(logits.detach(), stock.logits)
+    assert_same_mtp_losses(twins.hooks.metrics(), stock.mtp_losses)
+    twins.assert_same_grads()
 
 
 # ------------------------------------------------------------------ micro-batch schedules
@@ -228,7 +191,7 @@ def test_bool_loss_mask_matches_float_mask() -> None:
 
 def test_accumulating_trained_and_skipped_micro_batches_matches_stock() -> None:
     """Train MTP on micro-batches 1 and 3, skip it on 2; stock gets MTP weight 0 on micro-batch 2."""
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB))
+    stock, hooked = TWIN_SHAPE.build(), TWIN_SHAPE.build()
     batches = [make_batch(VOCAB, seed=seed) for seed in range(3)]
     stock_train_step(stock, batches[0])
     stock_main_only_step(stock, batches[1])
@@ -265,7 +228,8 @@ def packed_batch() -> tuple[Batch, PackedSeqParams]:
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 @pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
 def test_packed_sequences_match_stock(position_embedding_type: str, loss_impl: str) -> None:
-    stock, hooked = twins(TinyGPT(vocab_size=VOCAB, position_embedding_type=position_embedding_type))
+    shape = TinyGPT(vocab_size=VOCAB, position_embedding_type=position_embedding_type)
+    stock, hooked = shape.build(), shape.build()
     batch, params = packed_batch()
     per_token = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=params)
     masked_mean(per_token, batch.loss_mask).backward()
@@ -288,7 +252,7 @@ def test_packed_sequences_match_stock(position_embedding_type: str, loss_impl: s
 @needs_packed_mtp
 def test_packed_sequences_differ_from_unpacked() -> None:
     """Guard for the test above: without ``packed_seq_params`` depth k would reach across boundaries."""
-    packed, unpacked = twins(TinyGPT(vocab_size=VOCAB))
+    packed, unpacked = TWIN_SHAPE.build(), TWIN_SHAPE.build()
     batch, params = packed_batch()
     tokens = {}
     for name, model, extra in (("packed", packed, {"packed_seq_params": params}), ("unpacked", unpacked, {})):
@@ -314,7 +278,7 @@ def test_packed_sequences_differ_from_unpacked() -> None:
 )
 def test_depths_without_targets_contribute_nothing_where_stock_gives_nan() -> None:
     """Only position 0 unmasked: every MTP target is masked. Stock divides 0 by 0; the hooks add 0."""
-    stock, hooked, reference = twins(TinyGPT(vocab_size=VOCAB), n=3)
+    stock, hooked, reference = TWIN_SHAPE.build(), TWIN_SHAPE.build(), TWIN_SHAPE.build()
     batch = make_batch(VOCAB, mask="zeros")
     batch.loss_mask[:, 0] = 1
 

@@ -16,57 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-)
+from tests.mcore_cpu import TinyGPT, make_batch, output_layer_calls, stock_mtp_losses
+from tests.twins import Twins, hooked_step
 
 VOCAB = 64
-
-
-def stock_step(model: torch.nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:
-    """Stock training step: backward of the masked mean of mcore's per-token loss.
-
-    Returns the main-head logits ``[b, s, V]`` and the per-depth MTP losses mcore recorded.
-    """
-    stock_mtp_losses()  # empty the tracker: it then holds this step's losses only
-    with output_layer_calls(model) as calls:
-        per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-    masked_mean(per_token, batch.loss_mask).backward()
-    return calls[-1].transpose(0, 1), stock_mtp_losses()
-
-
-def hooked_forward(model: torch.nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path: str) -> Tensor:
-    """One hooked training forward through the ``micro_batch`` context or the ``labels=`` kwargs."""
-    if path == "context":
-        with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
-            return model(*batch.model_args)
-    if path != "kwargs":
-        raise AssertionError(path)
-    return model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-
-
-def hooked_step(model: torch.nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch, path: str) -> Tensor:
-    """Hooked training step: backward of the same masked CE, computed from the returned logits."""
-    logits = hooked_forward(model, hooks, batch, path)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    return logits.detach()
-
-
-def assert_same_mtp_losses(metrics: dict[str, float], stock: list[float], depth: int) -> None:
-    assert len(stock) == depth, f"stock recorded {len(stock)} MTP losses, expected {depth}"
-    ours = [metrics[f"mtp_{k}/loss"] for k in range(1, depth + 1)]
-    assert ours == pytest.approx(stock, rel=1e-5, abs=1e-6)
 
 
 def grid() -> list[Any]:
@@ -85,55 +41,47 @@ def test_losses_logits_and_every_gradient_match_stock(
     depth: int, tied: bool, mask: str, per_token: bool, path: str, impl: str
 ) -> None:
     spec = TinyGPT(mtp_num_layers=depth, tied=tied, config_overrides={"calculate_per_token_loss": per_token})
-    stock, hooked = spec.build(seed=7), spec.build(seed=7)
+    twins = Twins(spec, seed=7, loss_impl=impl, chunk_size=5 if impl == "lean" else None)
     batch = make_batch(VOCAB, batch=2, seq=12, mask=mask, seed=depth)
 
-    stock_logits, stock_losses = stock_step(stock, batch)
-    hooks = mtp_hooks.attach(hooked, loss_impl=impl, chunk_size=5 if impl == "lean" else None)
-    logits = hooked_step(hooked, hooks, batch, path)
+    step = twins.assert_step_matches(batch, path)
 
-    assert logits.shape == (2, 12, VOCAB)
-    assert torch.equal(logits, stock_logits)
-    assert_same_mtp_losses(hooks.metrics(), stock_losses, depth)
-    assert_same_grads(hooked, stock)
-    assert all(p.grad is not None and p.grad.any() for n, p in hooked.named_parameters() if n.startswith("mtp."))
+    assert step.logits.shape == (2, 12, VOCAB)
+    assert len(step.stock.mtp_losses) == depth
+    assert all(p.grad is not None and p.grad.any() for n, p in twins.hooked.named_parameters() if n.startswith("mtp."))
 
 
 @pytest.mark.parametrize("impl", ["lean", "dense"])
 def test_gradients_accumulate_like_stock_over_micro_batches(impl: str) -> None:
     """Three micro-batches with different masks, gradients accumulated, metrics token-weighted."""
-    spec = TinyGPT(mtp_num_layers=2)
-    stock, hooked = spec.build(seed=3), spec.build(seed=3)
-    hooks = mtp_hooks.attach(hooked, loss_impl=impl, chunk_size=7)
+    twins = Twins(TinyGPT(mtp_num_layers=2), seed=3, loss_impl=impl, chunk_size=7)
     batches = [make_batch(VOCAB, seq=10, mask=m, seed=i) for i, m in enumerate(("random", "ones", "none"))]
     expected_ce = torch.zeros(2, dtype=torch.float64)
     expected_tokens = torch.zeros(2, dtype=torch.float64)
     for i, batch in enumerate(batches):
-        stock_logits, stock_losses = stock_step(stock, batch)
-        logits = hooked_step(hooked, hooks, batch, "context" if i % 2 else "kwargs")
-        assert torch.equal(logits, stock_logits)
+        stock = twins.stock_step(batch)
+        logits = twins.hooked_step(batch, "context" if i % 2 else "kwargs")
+        assert torch.equal(logits, stock.logits)
         mask = torch.ones_like(batch.labels, dtype=torch.float64) if batch.loss_mask is None else batch.loss_mask.double()
         for k in range(2):
             tokens = mask[:, k + 1 :].sum()  # depth k+1 predicts the label k+1 steps ahead
             expected_tokens[k] += tokens
-            expected_ce[k] += stock_losses[k] * tokens
-    assert_same_grads(hooked, stock)
-    metrics = hooks.metrics()
+            expected_ce[k] += stock.mtp_losses[k] * tokens
+    twins.assert_same_grads()
+    assert twins.hooks is not None
+    metrics = twins.hooks.metrics()
     for k in range(2):
         assert metrics[f"mtp_{k + 1}/tokens"] == expected_tokens[k].item()
         assert metrics[f"mtp_{k + 1}/loss"] == pytest.approx((expected_ce[k] / expected_tokens[k]).item(), rel=1e-5)
-    assert hooks.metrics() == {}, "metrics(reset=True) must start a new accumulation"
+    assert twins.hooks.metrics() == {}, "metrics(reset=True) must start a new accumulation"
 
 
 def test_loss_scale_argument_overrides_config_factor() -> None:
     """``loss_scale`` replaces ``config.mtp_loss_scaling_factor``: same gradients as stock with that factor."""
-    stock = TinyGPT(mtp_num_layers=2, config_overrides={"mtp_loss_scaling_factor": 0.7}).build(seed=5)
-    hooked = TinyGPT(mtp_num_layers=2).build(seed=5)  # factor 0.3 in its config
-    assert hooked.config.mtp_loss_scaling_factor != 0.7
-    batch = make_batch(VOCAB, seq=10, seed=5)
-    stock_step(stock, batch)
-    hooked_step(hooked, mtp_hooks.attach(hooked, loss_scale=0.7), batch, "context")
-    assert_same_grads(hooked, stock)
+    stock_shape = TinyGPT(mtp_num_layers=2, config_overrides={"mtp_loss_scaling_factor": 0.7})
+    twins = Twins(TinyGPT(mtp_num_layers=2), seed=5, stock_shape=stock_shape, loss_scale=0.7)
+    assert twins.hooked.config.mtp_loss_scaling_factor != 0.7  # factor 0.3 in its config
+    twins.assert_step_matches(make_batch(VOCAB, seq=10, seed=5))
 
 
 @pytest.mark.parametrize("impl,extra_head_calls_per_depth", [("lean", 0), ("dense", 1)])

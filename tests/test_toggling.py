@@ -15,9 +15,8 @@ threads one after another is fine.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -25,18 +24,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    grads_of,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_main_only_step,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.twins import Twins, assert_next_micro_batches_like_stock, assert_same_mtp_losses, infer_inference_mode
+from tests.twins import infer_no_grad_with_labels, infer_with_grad, mtp_block_calls, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -52,16 +43,6 @@ def user_loss(logits: Tensor, batch: Batch) -> Tensor:
     return masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask)
 
 
-@contextlib.contextmanager
-def mtp_block_calls(model: nn.Module) -> Iterator[list[int]]:
-    calls: list[int] = []
-    handle = model.mtp.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        yield calls
-    finally:
-        handle.remove()
-
-
 def mtp_grads(model: nn.Module) -> dict[str, Optional[Tensor]]:
     return {name: grad for name, grad in grads_of(model).items() if name.startswith("mtp.")}
 
@@ -70,31 +51,6 @@ def mtp_grads(model: nn.Module) -> dict[str, Optional[Tensor]]:
 
 # Each kind: (hooked step, stock step or None if nothing is backpropagated, trains MTP?)
 Step = Callable[[nn.Module, mtp_hooks.MTPHooks, Batch], None]
-
-
-def train_context(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        logits = model(*batch.model_args)
-    user_loss(logits, batch).backward()
-
-
-def train_kwargs(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    user_loss(model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch).backward()
-
-
-def infer_with_grad(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    """No labels, grad enabled, main loss backpropagated (a reference-free main-head update)."""
-    user_loss(model(*batch.model_args), batch).backward()
-
-
-def infer_no_grad_with_labels(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.no_grad(), hooks.micro_batch(batch.labels, batch.loss_mask):
-        model(*batch.model_args)
-
-
-def infer_inference_mode(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
-    with torch.inference_mode():
-        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
 
 
 def infer_eval_no_labels(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> None:
@@ -167,42 +123,66 @@ def test_training_after_inference_mode_works() -> None:
 # --------------------------------------------------------------------------- nesting
 
 
+def assert_refusal_left_stock_with_hooks(hooked: nn.Module, hooks: mtp_hooks.MTPHooks, config: TransformerConfig) -> None:
+    """After a refused call: the real config and ``mtp_process`` are back, and the next micro-batches
+    (inference, then training from zero gradients) behave like a fresh stock twin."""
+    assert hooked.config is config and type(hooked.config) is TransformerConfig and hooked.mtp_process is True
+    hooked.zero_grad(set_to_none=True)
+    assert_next_micro_batches_like_stock(hooked, hooks, SHAPE, 3, make_batch(VOCAB, seed=5))
+
+
+def assert_backward_like_stock(twins: Twins, logits: Tensor, batch: Batch) -> dict[str, float]:
+    """Backward of the user's loss from the open micro-batch's ``logits``: logits, MTP losses and every
+    gradient equal a stock training step on the same batch. Returns the hooks' metrics."""
+    assert twins.hooks is not None
+    user_loss(logits, batch).backward()
+    stock = twins.stock_step(batch)
+    assert torch.equal(logits.detach(), stock.logits)
+    metrics = twins.hooks.metrics()
+    assert_same_mtp_losses(metrics, stock.mtp_losses)
+    twins.assert_same_grads()
+    return metrics
+
+
 def test_nested_micro_batch_is_refused_and_outer_still_trains() -> None:
-    hooked, stock = twins()
-    hooks = mtp_hooks.attach(hooked)
+    twins = Twins(SHAPE, 3)
+    hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
+    assert hooks is not None
     batch, other = make_batch(VOCAB, seed=0), make_batch(VOCAB, seed=1)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
-        with pytest.raises(mtp_hooks.MTPHooksError, match="micro_batch: bad value\n.*\n  received: a nested micro_batch"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a nested micro_batch"):
             with hooks.micro_batch(other.labels, other.loss_mask):
                 pytest.fail("nested micro_batch was accepted")
         logits = hooked(*batch.model_args)  # the outer targets are still the ones in effect
-    user_loss(logits, batch).backward()
-    stock_train_step(stock, batch)
-    assert_same_grads(hooked, stock)
+    assert_backward_like_stock(twins, logits, batch)
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 def test_second_forward_in_one_micro_batch_is_refused() -> None:
-    hooked, stock = twins()
-    hooks = mtp_hooks.attach(hooked)
+    twins = Twins(SHAPE, 3)
+    hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
+    assert hooks is not None
     batch = make_batch(VOCAB)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = hooked(*batch.model_args)
-        with pytest.raises(mtp_hooks.MTPHooksError, match="second forward inside the same micro_batch"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^micro_batch: bad value\n.*\n  received: a second forward inside the same micro_batch"):
             hooked(*batch.model_args)
-    user_loss(logits, batch).backward()
-    stock_train_step(stock, batch)
-    assert_same_grads(hooked, stock)
-    assert hooks.metrics()["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
+        assert hooked.config is config and hooked.mtp_process is True
+    metrics = assert_backward_like_stock(twins, logits, batch)  # the first forward's graph is intact
+    assert metrics["mtp_1/tokens"] == batch.loss_mask[:, 1:].sum().item()
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 def test_labels_in_both_micro_batch_and_call_are_refused() -> None:
     hooked, _ = twins()
+    config = hooked.config
     hooks = mtp_hooks.attach(hooked)
     batch = make_batch(VOCAB)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
-        with pytest.raises(mtp_hooks.MTPHooksError, match="labels: bad value\n.*not both"):
+        with pytest.raises(mtp_hooks.MTPHooksError, match="^labels: bad value\n  expected: .*not both\n  received: "):
             hooked(*batch.model_args, labels=batch.labels)
     assert hooks.metrics() == {}
+    assert_refusal_left_stock_with_hooks(hooked, hooks, config)
 
 
 # --------------------------------------------------------------------------- threads
