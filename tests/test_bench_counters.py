@@ -1,4 +1,4 @@
-"""The benchmark's exact counters (``benchmarks/counters.py``) against cases whose answer is known."""
+"""The benchmark's exact counters (``benchmarks/counters.py``) against known cases, and its time verdict."""
 
 from __future__ import annotations
 
@@ -82,3 +82,14 @@ def test_bool_and_nonzero_count_as_syncs_and_plain_math_does_not() -> None:
         if bool(u > 0):
             torch.nonzero(t > 0)
     assert syncs.count == 2, dict(syncs.by_op)
+
+
+def test_time_verdict_reads_within_noise_when_the_round_ratios_straddle_the_goal() -> None:
+    from benchmarks.report import MET, MISSED, NOISE, time_ratio, time_verdict
+
+    stock = [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert time_verdict(time_ratio([0.9, 0.8, 0.95, 0.9, 1.0], stock)) == MET
+    assert time_verdict(time_ratio([1.1, 1.2, 1.3, 1.05, 1.4], stock)) == MISSED
+    assert time_verdict(time_ratio([0.9, 1.1, 0.95, 1.0, 0.97], stock)) == NOISE
+    ratio = time_ratio([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # paired round by round, not medians divided
+    assert ratio == {"median": 1.5, "min": 1.0, "max": 2.0, "rounds": 3}
