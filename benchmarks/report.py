@@ -138,6 +138,12 @@ def _ratio_range(r: Optional[dict[str, float]]) -> str:
     return f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
 
 
+def _syncs(counts: dict[str, Any]) -> str:
+    """Host syncs of one micro-batch, with the ops behind them."""
+    ops = ", ".join(f"`{op.replace('aten::', '')}` × {n}" for op, n in sorted(counts["syncs_by_op"].items()))
+    return str(counts["syncs"]) + (f" ({ops})" if ops else "")
+
+
 def _headline(config: Config, result: dict[str, Any]) -> str:
     g = result["points"].get(config.base.key, {}).get("goals", {})
     if "flops_ratio" not in g:
@@ -163,7 +169,8 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         f"Base shape: V = {base.vocab:,}, s = {base.seq:,}, b = {base.batch}, h = {base.hidden:,}, "
         f"transformer layers = {base.layers}, N = {base.mtp}. FLOPs: `FlopCounterMode`; peak: the most bytes live above those live before the micro-batch "
         f"({memory_how}); host syncs: `_local_scalar_dense` / `is_nonzero` / `nonzero` / `item` / device→host copies; "
-        f"time: median (min–max) of {config.rounds} interleaved rounds.",
+        f"time: median (min–max) of {config.rounds} interleaved rounds."
+        + ("" if result.get("seconds") is None else f" Whole run: {result['seconds']:.0f} s."),
     ]
     for name, why in result["refused"].items():
         lines += ["", f"Variant `{name}` skipped: the installed mtp_hooks refuses it ({why})."]
@@ -180,7 +187,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         peak_x = f"{tr['peak_bytes'] / stock['train']['peak_bytes']:.3f}" if stock else "–"
         lines.append(
             f"| {v['label']} | {v.get('loss_path') or '–'} | {_gflop(tr['flops'])} | {flops_x} | {_mib(tr['peak_bytes'])} | "
-            f"{peak_x} | {tr['syncs']} | {_ms_range(v['train_time'])} | {_ratio_range(v['train_time_vs_stock'])} |"
+            f"{peak_x} | {_syncs(tr)} | {_ms_range(v['train_time'])} | {_ratio_range(v['train_time_vs_stock'])} |"
         )
     lines += ["", "Inference micro-batch (forward under `no_grad`), base shape:", "",
               "| variant | GFLOP | − no-MTP GFLOP | peak MiB | − no-MTP MiB | host syncs | ms |",
@@ -194,7 +201,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         d_flops = _gflop(inf["flops"] - floor["infer"]["flops"]) if floor else "–"
         d_peak = _mib(inf["peak_bytes"] - floor["infer"]["peak_bytes"]) if floor else "–"
         lines.append(f"| {v['label']} | {_gflop(inf['flops'])} | {d_flops} | {_mib(inf['peak_bytes'])} | {d_peak} | "
-                     f"{inf['syncs']} | {_ms_range(v['infer_time'])} |")
+                     f"{_syncs(inf)} | {_ms_range(v['infer_time'])} |")
     lines += ["", "Stock mcore cannot run a forward without labels, so its inference row runs with labels under "
               "`torch.no_grad` (MTP block, MTP heads and cross-entropy included) and returns losses, not logits."]
     lines += ["", *_goal_lines(config, point["goals"])]
