@@ -110,9 +110,23 @@ def prepare(config: Config, shape: Shape, names: list[str]) -> tuple[dict[str, P
 def run_shape(
     config: Config, shape: Shape, names: list[str], timed_names: list[str], time_inference: bool
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Counts and round timings of every variant in ``names`` at ``shape``, and the refused ones."""
-    cuda = config.device != "cpu"
+    """Counts and round timings of every variant in ``names`` at ``shape``, and the refused ones.
+
+    The shape's models are gone when this returns (the caching allocator's reserve is emptied on CUDA).
+    """
     prepared, refused = prepare(config, shape, names)
+    out = _measure(config, prepared, timed_names, time_inference)
+    del prepared
+    gc.collect()
+    if config.device != "cpu":
+        torch.cuda.empty_cache()
+    return out, refused
+
+
+def _measure(
+    config: Config, prepared: dict[str, Prepared], timed_names: list[str], time_inference: bool
+) -> dict[str, dict[str, Any]]:
+    cuda = config.device != "cpu"
     out: dict[str, dict[str, Any]] = {}
     for name, p in prepared.items():
         for _ in range(config.warmup):
@@ -137,8 +151,4 @@ def run_shape(
                 out[name]["infer_s"].append(timed(p.infer, cuda))
     for p in prepared.values():
         p.tidy()
-    del prepared
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return out, refused
+    return out
