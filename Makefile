@@ -29,7 +29,7 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
 
-bench: venv  ## the main job: benchmark against stock mcore (default CPU config, about two minutes)
+bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock

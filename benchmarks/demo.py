@@ -29,7 +29,7 @@ from benchmarks.variants import main_loss, masked_mean  # noqa: E402
 SHAPE = Shape(vocab=128, seq=16, mtp=2, hidden=64, layers=2, heads=4, batch=2)
 CONFIG = Config(
     name="demo", device="cpu", dtype=torch.float32, base=SHAPE, vocab_sweep=(), seq_sweep=(), mtp_sweep=(),
-    repeats=1, warmup=0, rounds=1, memory_repeats=0, position_embedding="learned_absolute",
+    rounds=1, warmup=0, position_embedding="learned_absolute",
 )
 SCHEDULE = ["train", "train", "inference", "train", "inference", "train"]
 LEARNING_RATE = 0.5

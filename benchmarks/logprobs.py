@@ -50,7 +50,7 @@ import mtp_hooks  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.configs import CONFIGS, Config, Shape  # noqa: E402
 from benchmarks.measure import Meter  # noqa: E402
-from benchmarks.run_one import environment  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from benchmarks.variants import main_loss, masked_mean  # noqa: E402
 
 MiB = 2**20
@@ -183,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape = dataclasses.replace(config.base, **overrides)
     if args.chunk_size is not None:
         config = dataclasses.replace(config, chunk_size=args.chunk_size)
-    repeats = config.repeats if args.repeats is None else args.repeats
+    repeats = config.rounds if args.repeats is None else args.repeats
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     meter = Meter(config.device)

@@ -1,53 +1,58 @@
-"""Run the benchmark: every variant in its own process, medians, ratios, Markdown, JSON and a plot.
+"""Run the benchmark: exact counts and interleaved wall time at every point, Markdown, JSON and a plot.
 
 ``python -m benchmarks`` (= ``python -m benchmarks.run --config cpu``) writes
-``bench-out/<config>/results.{json,md}`` and ``bench-out/<config>/bench_<config>.png``.
-``--publish`` also writes the results section of BENCHMARKS.md and ``docs/bench_<config>.png``
-(and the README's results block, if the README has the ``<!-- bench:<config> -->`` markers).
+``bench-out/<config>/results.{json,md}`` and ``bench-out/<config>/bench_<config>.png``;
+``python -m benchmarks.run --config gpu`` does the same on one CUDA GPU.
+``--publish`` also writes the config's results block of BENCHMARKS.md, ``docs/bench_<config>.png``
+and the README's block between the ``<!-- bench:<config> -->`` markers, if it has them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
+import time
+import warnings
 from typing import Any, Optional
 
-from tqdm import tqdm
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size).*")
 
-from benchmarks import report
-from benchmarks.configs import CONFIGS, VARIANT_LABELS, Config
+from benchmarks import models, report  # noqa: E402
+from benchmarks.configs import CONFIGS, Config  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
+from benchmarks.shape_run import run_shape  # noqa: E402
+from benchmarks.variants import VARIANTS  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run_variant(
-    config: Config, variant: str, out: pathlib.Path, log: pathlib.Path, bar: tqdm, extra: list[str]
-) -> dict[str, Any]:
-    """``python -m benchmarks.run_one`` in a fresh process; progress lines advance the bar."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "benchmarks.run_one", "--config", config.name, "--variant", variant, "--out", str(out), *extra]
-    bar.set_postfix_str(variant)
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith("progress "):
-                bar.update(1)
-        code = process.wait()
-    if code != 0:
-        tail = log.read_text().splitlines()[-30:]
-        raise SystemExit(f"variant {variant} failed (exit {code}); log {log}:\n" + "\n".join(tail))
-    with open(out) as result:
-        return json.load(result)
+def measure(config: Config, names: list[str], log: Any = sys.stderr) -> dict[str, Any]:
+    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads."""
+    points: list[dict[str, Any]] = []
+    refused: dict[str, str] = {}
+    shapes = config.shapes()
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        models.setup(config, stack)
+        env = environment(config)
+        for index, shape in enumerate(shapes):
+            base = shape == config.base
+            timed_names = names if base or config.sweep_timed is None else [n for n in names if n in config.sweep_timed]
+            variants, refused_here = run_shape(config, shape, names, timed_names, time_inference=base)
+            for name, why in refused_here.items():
+                if name not in refused:
+                    print(f"skipping {name}: the installed mtp_hooks refuses it: {why}", file=log, flush=True)
+                refused[name] = why
+            points.append({"shape": dataclasses.asdict(shape), "key": shape.key, "variants": variants})
+            print(f"[{index + 1}/{len(shapes)}] {shape.key} done at {time.perf_counter() - started:.0f} s", file=log, flush=True)
+    return {"config": config.name, "env": env, "variants": names, "refused": refused, "points": points,
+            "seconds": time.perf_counter() - started}
 
 
 def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
@@ -58,7 +63,7 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
 
 
 def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathlib.Path]:
-    """Results into BENCHMARKS.md (between markers, or appended), the plot into docs/."""
+    """Results into BENCHMARKS.md (between markers, or appended), the README block, the plot into docs/."""
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     shutil.copyfile(png, docs / png.name)
@@ -83,51 +88,45 @@ def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathl
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="mtp_hooks vs stock mcore: time and peak memory per micro-batch")
+    parser = argparse.ArgumentParser(description="mtp_hooks vs stock mcore: FLOPs, peak live memory, host syncs, time")
     parser.add_argument("--config", default="cpu", choices=sorted(CONFIGS))
-    parser.add_argument("--variants", default=",".join(VARIANT_LABELS), help="comma-separated subset of " + ",".join(VARIANT_LABELS))
-    parser.add_argument("--rounds", type=int, default=None, help="processes per variant (default: the config's)")
-    parser.add_argument("--out", default=str(ROOT / "bench-out"), help="output folder (default: bench-out/)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per shape and process (default: the config's)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default: the config's; at least 5)")
     parser.add_argument("--chunk-size", type=int, default=None, help="lean loss tokens per chunk (default: the library's)")
-    parser.add_argument("--no-idle", action="store_true", help="skip the idle-hooks measurement")
-    parser.add_argument("--publish", action="store_true", help="also write BENCHMARKS.md's results and docs/bench_<config>.png")
+    parser.add_argument("--out", default=str(ROOT / "bench-out"), help="output folder (default: bench-out/)")
+    parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                        help="measure nothing: rebuild the tables and plot from a results.json this command wrote")
+    parser.add_argument("--publish", action="store_true", help="also write BENCHMARKS.md's results, the README block and docs/bench_<config>.png")
     args = parser.parse_args(argv)
     config = CONFIGS[args.config]
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANT_LABELS))
+    names = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANT_LABELS)}")
-    rounds = args.rounds or config.rounds
-    config = dataclasses.replace(config, rounds=rounds)
-    if args.repeats is not None:
-        config = dataclasses.replace(config, repeats=args.repeats)
+        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be >= 1, got {args.rounds}")
+        config = dataclasses.replace(config, rounds=args.rounds)
     if args.chunk_size is not None:
         config = dataclasses.replace(config, chunk_size=args.chunk_size)
-    extra = [f"--repeats={config.repeats}"] + ([] if config.chunk_size is None else [f"--chunk-size={config.chunk_size}"])
     out_dir = pathlib.Path(args.out) / config.name
-    logs = out_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    shapes = len(config.shapes())
-    jobs = [(r, variants[r % len(variants):] + variants[: r % len(variants)]) for r in range(rounds)]  # rotate order
-    total = rounds * len(variants) * shapes * 2 + (0 if args.no_idle else 1)  # time and memory phases
-    runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-") as scratch, tqdm(total=total, unit="shape", desc=f"bench {config.name}") as bar:
-        for round_index, order in jobs:
-            for variant in order:
-                out = pathlib.Path(scratch) / f"r{round_index}-{variant}.json"
-                runs.append(_run_variant(config, variant, out, logs / f"{variant}.log", bar, extra))
-        if not args.no_idle:
-            runs.append(_run_variant(config, "idle", pathlib.Path(scratch) / "idle.json", logs / "idle.log", bar, extra))
-    result = report.aggregate(config, runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        with open(args.from_json) as saved:
+            raw = json.load(saved)["raw"]
+        if raw["config"] != config.name:
+            parser.error(f"{args.from_json} holds config {raw['config']!r}, not {config.name!r}; pass --config {raw['config']}")
+    else:
+        raw = measure(config, names)
+    result = report.summarize(config, raw)
     png = out_dir / f"bench_{config.name}.png"
     report.plot(config, result, str(png))
     markdown_text = report.markdown(config, result, plot_name=png.name)
     (out_dir / "results.md").write_text(markdown_text)
-    with open(out_dir / "results.json", "w") as raw:
-        json.dump({"summary": result, "runs": runs}, raw, indent=1)
+    with open(out_dir / "results.json", "w") as out:
+        json.dump({"summary": result, "raw": raw}, out, indent=1)
     print(markdown_text)
-    print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png}")
+    print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png} in {raw['seconds']:.0f} s")
     if args.publish:
         for path in publish(config, markdown_text, png):
             print(f"published {path.relative_to(ROOT)}")

@@ -1,0 +1,95 @@
+"""The benchmark's exact counters (``benchmarks/counters.py``) against known cases, and its time verdict."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.counters import HostSyncs, LiveBytes, count_flops
+
+
+def test_matmul_flops_are_two_m_n_k() -> None:
+    a, b = torch.randn(6, 5), torch.randn(5, 7)
+    flops, out = count_flops(lambda: a @ b)
+    assert flops == 2 * 6 * 7 * 5
+    assert out.shape == (6, 7)
+
+
+def test_matmul_backward_flops_are_two_more_matmuls() -> None:
+    a = torch.randn(6, 5, requires_grad=True)
+    b = torch.randn(5, 7, requires_grad=True)
+    flops, _ = count_flops(lambda: (a @ b).sum().backward())
+    assert flops == 3 * (2 * 6 * 7 * 5)
+
+
+def test_tensor_freed_inside_counts_at_peak_and_not_after() -> None:
+    with LiveBytes() as live:
+        t = torch.empty(1000, dtype=torch.float32)
+        t.add_(1.0)  # in place: same storage, not a second allocation
+        view = t[10:20]  # a view shares the storage
+        del t, view
+        kept = torch.zeros(10, dtype=torch.float64)
+    assert live.peak == 4000
+    assert live.live == 80
+    del kept
+
+
+def test_two_live_tensors_add_up_at_peak() -> None:
+    with LiveBytes() as live:
+        a = torch.ones(256)
+        b = torch.ones(512)
+        del a, b
+        c = torch.ones(128)
+    assert live.peak == (256 + 512) * 4
+    assert live.live == 128 * 4
+    del c
+
+
+def test_storages_from_before_the_mode_are_not_counted() -> None:
+    weight = torch.randn(100, 100)
+    weight.grad = torch.zeros(100, 100)
+    with LiveBytes() as live:
+        weight.mul_(2.0)  # in place on a parameter
+        weight.grad.add_(weight)  # accumulating into an existing gradient
+        alias = weight.view(-1)
+        del alias
+    assert live.peak == 0
+    assert live.live == 0
+
+
+def test_backward_counts_gradients_and_saved_tensors() -> None:
+    weight = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(16, 64)
+    with LiveBytes() as live:
+        (x @ weight).square().sum().backward()
+    # the gradient of the weight (64 * 32 fp32) stays alive after the call
+    assert live.live >= 64 * 32 * 4
+    assert live.peak >= live.live + 16 * 32 * 4  # the product was alive during the call
+
+
+def test_item_counts_one_sync() -> None:
+    t = torch.randn(3)
+    with HostSyncs() as syncs:
+        t.sum().item()
+    assert syncs.count == 1
+
+
+def test_bool_and_nonzero_count_as_syncs_and_plain_math_does_not() -> None:
+    t = torch.randn(8)
+    with HostSyncs() as syncs:
+        u = (t * 2).exp().sum()
+    assert syncs.count == 0
+    with HostSyncs() as syncs:
+        if bool(u > 0):
+            torch.nonzero(t > 0)
+    assert syncs.count == 2, dict(syncs.by_op)
+
+
+def test_time_verdict_reads_within_noise_when_the_round_ratios_straddle_the_goal() -> None:
+    from benchmarks.report import MET, MISSED, NOISE, time_ratio, time_verdict
+
+    stock = [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert time_verdict(time_ratio([0.9, 0.8, 0.95, 0.9, 1.0], stock)) == MET
+    assert time_verdict(time_ratio([1.1, 1.2, 1.3, 1.05, 1.4], stock)) == MISSED
+    assert time_verdict(time_ratio([0.9, 1.1, 0.95, 1.0, 0.97], stock)) == NOISE
+    ratio = time_ratio([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # paired round by round, not medians divided
+    assert ratio == {"median": 1.5, "min": 1.0, "max": 2.0, "rounds": 3}
