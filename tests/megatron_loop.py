@@ -8,6 +8,8 @@ each applied only inside a context manager and undone on exit:
 * ``cuda_tensor_types``: ``Float16OptimizerWithFloat16Params`` sorts parameters by
   ``param.type()`` and accepts only ``torch.cuda.*Tensor`` names; while open, ``Tensor.type()`` of a
   CPU tensor answers the CUDA name of its dtype (and ``device="cuda"`` factories give CPU tensors).
+* ``cuda_stream_on_cpu``: DDP's gradient sync (0.19+) asks ``torch.cuda.current_stream()`` to
+  wait for CUDA-graph events; while open it answers a stream that has nothing to wait for.
 * ``checkpoint_io_on_cpu``: ``dist_checkpointing``'s save path calls ``torch.cuda.synchronize()``,
   and its file writers log their RSS through ``psutil``, which the test environment lacks; while
   open, the first is a no-op and the second answers 0.
@@ -58,6 +60,27 @@ def cuda_tensor_types() -> Iterator[None]:
     """
     with _CudaTensorTypes():
         yield
+
+
+class _NoStream:
+    """Stands for the current CUDA stream on CPU: nothing runs asynchronously, so nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def cuda_stream_on_cpu() -> Iterator[None]:
+    """While open, ``torch.cuda.current_stream()`` answers a ``_NoStream`` (DDP's grad sync asks it)."""
+    original = torch.cuda.current_stream
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_stream = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -177,7 +200,7 @@ def ppo_loss(rollout: Rollout, m: int, logprobs: Tensor, clip: float = 0.2) -> t
 
 def _run_schedule(stack: MegatronStack, step: Callable[[Any, nn.Module], Any], micro_batches: int, forward_only: bool) -> list[Any]:
     forward_backward = get_forward_backward_func()
-    with cuda_calls_on_cpu():
+    with cuda_calls_on_cpu(), cuda_stream_on_cpu():
         return forward_backward(
             forward_step_func=step,
             data_iterator=iter(range(micro_batches)),
