@@ -122,18 +122,37 @@ class MegatronStack:
         return self.gpt.config
 
 
-def build_stack(seed: int, lr: float = 3e-3) -> MegatronStack:
+def build_stack(
+    seed: int,
+    *,
+    config_overrides: Optional[dict[str, Any]] = None,
+    ddp_options: Optional[dict[str, Any]] = None,
+    optimizer_options: Optional[dict[str, Any]] = None,
+) -> MegatronStack:
     """Build the stack as Megatron's ``training.setup_model_and_optimizer`` does, on CPU.
 
     DDP accumulates gradients into fp32 ``main_grad`` buffers (``grad_reduce_in_fp32``); the
     config carries the ``finalize_model_grads`` / ``no_sync`` / ``grad_scale_func`` hooks that
-    the schedules call.
+    the schedules call. The options override the model config, DDP config and optimizer config.
     """
-    gpt = SPEC.build(seed=seed)
+    spec = dataclasses.replace(SPEC, config_overrides={**SPEC.config_overrides, **(config_overrides or {})})
+    gpt = spec.build(seed=seed)
     config = gpt.config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(
+        **{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": False, **(ddp_options or {})}
+    )
     ddp = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
-    optimizer_config = OptimizerConfig(optimizer="adam", lr=lr, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0, weight_decay=0.01)
+    optimizer_config = OptimizerConfig(
+        **{
+            "optimizer": "adam",
+            "lr": 3e-3,
+            "bf16": True,
+            "params_dtype": torch.bfloat16,
+            "clip_grad": 1.0,
+            "weight_decay": 0.01,
+            **(optimizer_options or {}),
+        }
+    )
     with cuda_tensor_types():
         optimizer = get_megatron_optimizer(optimizer_config, [ddp])
     config.finalize_model_grads_func = finalize_model_grads
@@ -331,3 +350,40 @@ def assert_same_contents(actual: dict[str, Any], expected: dict[str, Any]) -> No
             assert isinstance(other, Tensor) and other.dtype == value.dtype and torch.equal(other, value), path
         else:
             assert other == value, path
+
+
+# --------------------------------------------------------------------------- comparing training states
+
+# bf16 tolerance where the two runs round at different points (the lean loss reduces in fp32 where
+# stock reduces bf16 logits): as ``tests/test_properties.py``, two bf16 spacings relative plus one
+# spacing times the largest reference entry of that tensor. Applied to the *updates* of the fp32
+# main params (final minus initial; the bf16 model params are their rounding) and to Adam's
+# moments, which carry the gradients' scale (Adam's update alone would hide a scale error).
+BF16_RTOL = 2 * 2**-7
+BF16_ATOL_OF_MAX = 2**-7
+
+
+def assert_same_training_state(
+    actual: dict[str, dict[str, Tensor]],
+    expected: dict[str, dict[str, Tensor]],
+    initial: dict[str, Tensor],
+    exact: bool,
+) -> None:
+    """``main_params_and_moments`` of two runs from the same ``initial`` params agree: bit for bit
+    with ``exact``, else within the bf16 tolerance above (the step count always exactly)."""
+    assert actual.keys() == expected.keys()
+    for name, reference in expected.items():
+        assert not torch.equal(reference["param"], initial[name]), f"{name} never moved: the comparison would be empty"
+        state = actual[name]
+        assert state.keys() == reference.keys() == {"param", "main_param", "exp_avg", "exp_avg_sq", "step"}, name
+        for key, ref in reference.items():
+            value = state[key]
+            if exact or key == "step":
+                assert torch.equal(value, ref), f"{name} {key}: max diff {(value.float() - ref.float()).abs().max()}"
+                continue
+            if key == "param":
+                continue  # bf16 rounding of main_param, compared below
+            if key == "main_param":
+                value, ref = value - initial[name].float(), ref - initial[name].float()
+            atol = BF16_ATOL_OF_MAX * float(ref.abs().max())
+            torch.testing.assert_close(value, ref, rtol=BF16_RTOL, atol=atol, msg=lambda m: f"{name} {key}: {m}")

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from tests.megatron_loop import (
     MegatronStack,
     assert_same_contents,
+    assert_same_training_state,
     flatten,
     ppo_loss,
     token_logprobs,
@@ -74,6 +75,7 @@ class HookedRun:
     mtp_block_runs: int
     metrics: dict[str, float]
     checkpoint: Path
+    impl: str
 
 
 TRAINING_FORWARDS = (ROLLOUTS_BEFORE_SAVE + ROLLOUTS_AFTER_LOAD) * STEPS_PER_ROLLOUT * len(make_rollout(0).batches)
@@ -116,18 +118,13 @@ def hooked_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     old += run_rollouts(resumed, _rollouts(ROLLOUTS_BEFORE_SAVE, ROLLOUTS_AFTER_LOAD), hooked_logprobs, STEPS_PER_ROLLOUT)
     probe.remove()
     resumed_hooks.remove()
-    return HookedRun(main_params_and_moments(resumed), old, len(mtp_runs), metrics, directory)
+    return HookedRun(main_params_and_moments(resumed), old, len(mtp_runs), metrics, directory, impl)
 
 
 def test_hooked_loop_with_checkpoint_round_trip_ends_with_stock_twins_params_and_optimizer_state(stock_run: StockRun, hooked_run: HookedRun) -> None:
-    """Bit for bit: bf16 params, fp32 main params, Adam's moments and step (measured on 0.16.1)."""
-    assert hooked_run.final.keys() == stock_run.final.keys()
-    for name, expected in stock_run.final.items():
-        assert not torch.equal(expected["param"], stock_run.initial[name]), f"{name} never moved: the comparison would be empty"
-        actual = hooked_run.final[name]
-        assert actual.keys() == expected.keys() == {"param", "main_param", "exp_avg", "exp_avg_sq", "step"}, name
-        for key, tensor in expected.items():
-            assert torch.equal(actual[key], tensor), f"{name} {key}: max diff {(actual[key].float() - tensor.float()).abs().max()}"
+    """Dense: bit for bit (bf16 params, fp32 main params, Adam's moments and step). Lean: within bf16
+    rounding of stock (see ``assert_same_training_state``; measured bit for bit on 0.14.0-0.19.2)."""
+    assert_same_training_state(hooked_run.final, stock_run.final, stock_run.initial, exact=hooked_run.impl == "dense")
 
 
 def test_inference_passes_return_stock_logprobs_and_never_run_mtp(stock_run: StockRun, hooked_run: HookedRun) -> None:
@@ -228,13 +225,108 @@ def _as_tensors(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_loop_comparison_fails_when_the_hooked_mtp_weight_differs(one_intra_op_thread: None) -> None:
-    """Control: with the hooks' MTP loss weighted 0.6 (stock: 0.3) one optimizer step already moves
-    the MTP parameters away from the twin's, and the trunk's too."""
+@pytest.mark.parametrize("impl", ["dense", "lean"])
+def test_loop_comparison_fails_when_the_hooked_mtp_weight_differs(impl: str, one_intra_op_thread: None) -> None:
+    """Control: with the hooks' MTP loss weighted 0.6 (stock: 0.3), one rollout moves MTP and trunk
+    parameters away from the twin's, and the comparison fails, also within the bf16 tolerance
+    (Adam's moments carry the gradients' scale)."""
     stock, stack = build_stack(SEED), build_stack(SEED)
-    mtp_hooks.attach(stack.ddp, loss_impl="dense", loss_scale=0.6)
-    run_rollouts(stock, [make_rollout(0)], stock_logprobs, steps_per_rollout=1)
-    run_rollouts(stack, [make_rollout(0)], hooked_logprobs, steps_per_rollout=1)
+    initial = {name: param.detach().clone() for name, param in stock.gpt.named_parameters()}
+    mtp_hooks.attach(stack.ddp, loss_impl=impl, loss_scale=0.6)
+    run_rollouts(stock, [make_rollout(0)], stock_logprobs, STEPS_PER_ROLLOUT)
+    run_rollouts(stack, [make_rollout(0)], hooked_logprobs, STEPS_PER_ROLLOUT)
     expected, actual = main_params_and_moments(stock), main_params_and_moments(stack)
     differing = {name for name in expected if not torch.equal(actual[name]["main_param"], expected[name]["main_param"])}
     assert any(name.startswith("mtp.") for name in differing) and any(name.startswith("decoder.") for name in differing)
+    with pytest.raises(AssertionError, match="exp_avg|main_param"):
+        assert_same_training_state(actual, expected, initial, exact=False)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"config_overrides": {"calculate_per_token_loss": True}}, id="per_token_loss"),
+        pytest.param({"optimizer_options": {"loss_scale": 1024.0}}, id="constant_loss_scale"),
+        pytest.param({"ddp_options": {"overlap_grad_reduce": True}}, id="overlap_grad_reduce"),
+        pytest.param({"ddp_options": {"grad_reduce_in_fp32": False}}, id="bf16_grad_reduce"),
+    ],
+)
+@pytest.mark.parametrize("impl", ["dense", "lean"])
+def test_one_megatron_step_under_other_loop_settings_equals_stock(impl: str, options: dict[str, Any], one_intra_op_thread: None) -> None:
+    """One rollout (inference pass, two optimizer steps) under settings Megatron users turn on:
+    ``calculate_per_token_loss`` (``finalize_model_grads`` divides by the token count), a constant
+    loss scale (the schedule scales ``MTPLossAutoScaler`` by it, the optimizer unscales), DDP's
+    overlapped grad reduce (grad-ready hooks per parameter) and bf16 gradient buffers."""
+    stock, stack = build_stack(SEED, **options), build_stack(SEED, **options)
+    hooks = mtp_hooks.attach(stack.ddp, loss_impl=impl)
+    initial = {name: param.detach().clone() for name, param in stock.gpt.named_parameters()}
+    run_rollouts(stock, [make_rollout(0)], stock_logprobs, STEPS_PER_ROLLOUT)
+    run_rollouts(stack, [make_rollout(0)], hooked_logprobs, STEPS_PER_ROLLOUT)
+    hooks.remove()
+    # Lean: bit for bit on 0.16.1 except with per-token loss, where the head weight's fp32 main
+    # param differs by 3.4e-6 after two steps (rounding, within the bf16 tolerance).
+    assert_same_training_state(main_params_and_moments(stack), main_params_and_moments(stock), initial, exact=impl == "dense")
+
+
+OVERLAP_LAST_MICRO_BATCH_WITHOUT_MTP = (
+    "mcore DDP with overlap_grad_reduce counts grad-ready parameters only in the last micro-batch and "
+    "expects every parameter there; a last micro-batch without labels does not run the MTP block, so the "
+    "MTP parameters' bucket never completes (AssertionError in the bucket's reset at the next zero_grad_buffer)"
+)
+
+
+def _index_of(rollout: Any, batch: Any) -> int:
+    return next(i for i, b in enumerate(rollout.batches) if b is batch)
+
+
+@pytest.mark.parametrize(
+    "main_loss_only, overlap_grad_reduce",
+    [
+        pytest.param((1, 2), False, id="middle-sync_after"),
+        pytest.param((1, 2), True, id="middle-overlap_grad_reduce"),
+        pytest.param((1, 3), False, id="last-sync_after"),
+        pytest.param(
+            (1, 3),
+            True,
+            id="last-overlap_grad_reduce",
+            marks=pytest.mark.xfail(reason=OVERLAP_LAST_MICRO_BATCH_WITHOUT_MTP, raises=AssertionError, strict=True),
+        ),
+    ],
+)
+@pytest.mark.parametrize("impl", ["dense", "lean"])
+def test_schedule_mixing_main_loss_only_micro_batches_under_ddp_equals_stock(
+    impl: str, main_loss_only: tuple[int, ...], overlap_grad_reduce: bool, one_intra_op_thread: None
+) -> None:
+    """Schedules of four micro-batches, two of them without labels but with gradients (the main
+    loss trains the trunk; the MTP block does not run, so the MTP parameters' DDP grad hooks do not
+    fire in them): ``main_grad`` accumulation, the reduce and the step equal stock, whose
+    main-loss-only micro-batches run with ``mtp_loss_scaling_factor = 0``."""
+    options = {"ddp_options": {"overlap_grad_reduce": overlap_grad_reduce}}
+    stock, stack = build_stack(SEED, **options), build_stack(SEED, **options)
+    initial = {name: param.detach().clone() for name, param in stock.gpt.named_parameters()}
+    hooks = mtp_hooks.attach(stack.ddp, loss_impl=impl)
+    mtp_runs: list[int] = []
+    probe = stack.gpt.mtp.register_forward_pre_hook(lambda module, args: mtp_runs.append(1))
+    stock_rollout, hooked_rollout = make_rollout(0, micro_batches=4), make_rollout(0, micro_batches=4)
+
+    def stock_forward(run: MegatronStack, batch: Any, train: bool) -> torch.Tensor:
+        if not (train and _index_of(stock_rollout, batch) in main_loss_only):
+            return stock_logprobs(run, batch, train)
+        factor = run.config.mtp_loss_scaling_factor
+        run.config.mtp_loss_scaling_factor = 0.0
+        try:
+            return stock_logprobs(run, batch, train)
+        finally:
+            run.config.mtp_loss_scaling_factor = factor
+
+    def hooked_forward(run: MegatronStack, batch: Any, train: bool) -> torch.Tensor:
+        return hooked_logprobs(run, batch, train and _index_of(hooked_rollout, batch) not in main_loss_only)
+
+    run_rollouts(stock, [stock_rollout], stock_forward, STEPS_PER_ROLLOUT)
+    try:
+        run_rollouts(stack, [hooked_rollout], hooked_forward, STEPS_PER_ROLLOUT)
+    finally:
+        probe.remove()
+        hooks.remove()
+    assert len(mtp_runs) == STEPS_PER_ROLLOUT * (4 - len(main_loss_only))
+    assert_same_training_state(main_params_and_moments(stack), main_params_and_moments(stock), initial, exact=impl == "dense")
