@@ -162,21 +162,30 @@ def build_stack(
 
 
 def float16_optimizers(stack: MegatronStack) -> list[Any]:
-    """The ``Float16OptimizerWithFloat16Params`` inside mcore's ``ChainedOptimizer``."""
+    """The optimizers inside mcore's ``ChainedOptimizer`` (``Float16OptimizerWithFloat16Params`` or
+    ``DistributedOptimizer``)."""
     return list(getattr(stack.optimizer, "chained_optimizers", [stack.optimizer]))
 
 
 def main_params_and_moments(stack: MegatronStack) -> dict[str, dict[str, Tensor]]:
-    """Per parameter name: the bf16 model param, its fp32 main copy and Adam's moments and step."""
+    """Per parameter name: the bf16 model param, its fp32 main copy and Adam's moments and step.
+
+    ``Float16OptimizerWithFloat16Params`` keeps the main copy as ``param.main_param``; mcore's
+    ``DistributedOptimizer`` keeps this rank's flat shard of it (the whole parameter on one rank).
+    """
     out: dict[str, dict[str, Tensor]] = {}
-    inner_states = [opt.optimizer.state for opt in float16_optimizers(stack)]
+    optimizers = float16_optimizers(stack)
     for name, param in stack.gpt.named_parameters():
-        main = param.main_param
-        entry = {"param": param.detach().clone(), "main_param": main.detach().clone()}
-        for state in inner_states:
-            if main in state:
-                for key, value in state[main].items():
-                    entry[key] = torch.as_tensor(value).detach().clone()
+        entry = {"param": param.detach().clone()}
+        for opt in optimizers:
+            if hasattr(opt, "_get_main_param_and_optimizer_states"):  # DistributedOptimizer
+                if param in opt.model_param_group_index_map:
+                    states = dict(opt._get_main_param_and_optimizer_states(param))
+                    entry["main_param"] = states.pop("param").detach().clone()
+                    entry.update({key: torch.as_tensor(value).detach().clone() for key, value in states.items()})
+            elif param.main_param in opt.optimizer.state:
+                entry["main_param"] = param.main_param.detach().clone()
+                entry.update({key: torch.as_tensor(value).detach().clone() for key, value in opt.optimizer.state[param.main_param].items()})
         out[name] = entry
     return out
 
@@ -384,6 +393,7 @@ def assert_same_training_state(
             if key == "param":
                 continue  # bf16 rounding of main_param, compared below
             if key == "main_param":
-                value, ref = value - initial[name].float(), ref - initial[name].float()
+                start = initial[name].float().reshape(ref.shape)
+                value, ref = value - start, ref - start
             atol = BF16_ATOL_OF_MAX * float(ref.abs().max())
             torch.testing.assert_close(value, ref, rtol=BF16_RTOL, atol=atol, msg=lambda m: f"{name} {key}: {m}")

@@ -249,6 +249,10 @@ def test_loop_comparison_fails_when_the_hooked_mtp_weight_differs(impl: str, one
         pytest.param({"optimizer_options": {"loss_scale": 1024.0}}, id="constant_loss_scale"),
         pytest.param({"ddp_options": {"overlap_grad_reduce": True}}, id="overlap_grad_reduce"),
         pytest.param({"ddp_options": {"grad_reduce_in_fp32": False}}, id="bf16_grad_reduce"),
+        pytest.param(
+            {"ddp_options": {"use_distributed_optimizer": True}, "optimizer_options": {"use_distributed_optimizer": True}},
+            id="distributed_optimizer",
+        ),
     ],
 )
 @pytest.mark.parametrize("impl", ["dense", "lean"])
@@ -256,7 +260,8 @@ def test_one_megatron_step_under_other_loop_settings_equals_stock(impl: str, opt
     """One rollout (inference pass, two optimizer steps) under settings Megatron users turn on:
     ``calculate_per_token_loss`` (``finalize_model_grads`` divides by the token count), a constant
     loss scale (the schedule scales ``MTPLossAutoScaler`` by it, the optimizer unscales), DDP's
-    overlapped grad reduce (grad-ready hooks per parameter) and bf16 gradient buffers."""
+    overlapped grad reduce (grad-ready hooks per parameter), bf16 gradient buffers and mcore's
+    ``DistributedOptimizer`` (sharded fp32 main params, reduce-scatter, param all-gather)."""
     stock, stack = build_stack(SEED, **options), build_stack(SEED, **options)
     hooks = mtp_hooks.attach(stack.ddp, loss_impl=impl)
     initial = {name: param.detach().clone() for name, param in stock.gpt.named_parameters()}
