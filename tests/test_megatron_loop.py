@@ -15,6 +15,12 @@ its micro-batches are stock's call with labels, whose per-token main loss is ``-
 attaches the MTP loss itself). The hooked run computes its log-probs from the returned logits with
 mcore's own ``compute_language_model_loss``, so both optimise the same objective and the schedules
 set ``MTPLossAutoScaler``'s scale the same way.
+
+Also pinned: checkpoints and state dicts taken with hooks attached (inside a forward, between a
+forward and its backward) equal stock's; one rollout under other settings Megatron users turn on
+(per-token loss, constant loss scale, overlapped or bf16 grad reduce, ``DistributedOptimizer``);
+schedules mixing main-loss-only micro-batches (no labels, gradients on) with training ones under
+DDP. Dense loss: bit for bit; lean loss: within bf16 rounding (``assert_same_training_state``).
 """
 
 from __future__ import annotations
@@ -27,27 +33,24 @@ import pytest
 import torch
 
 import mtp_hooks
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import make_batch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from tests.megatron_loop import (
     MegatronStack,
     assert_same_contents,
     assert_same_training_state,
-    flatten,
-    ppo_loss,
-    token_logprobs,
     build_stack,
     checkpoint_contents,
+    flatten,
     hooked_logprobs,
     load_checkpoint,
     main_params_and_moments,
     make_rollout,
+    ppo_loss,
     run_rollouts,
     save_checkpoint,
     stock_logprobs,
-    training_step,
-    VOCAB,
+    token_logprobs,
 )
 
 SEED = 11
