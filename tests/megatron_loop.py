@@ -2,7 +2,7 @@
 ``get_forward_backward_func`` and ``dist_checkpointing``.
 
 Test-only support. Besides the shims of ``tests.mcore_cpu`` (``cuda_current_device_is_cpu`` is open
-for the whole session, ``cuda_calls_on_cpu`` around the schedule), two CPU accommodations live here,
+for the whole session, ``cuda_calls_on_cpu`` around the schedule), three CPU accommodations live here,
 each applied only inside a context manager and undone on exit:
 
 * ``cuda_tensor_types``: ``Float16OptimizerWithFloat16Params`` sorts parameters by
@@ -14,7 +14,7 @@ each applied only inside a context manager and undone on exit:
   and its file writers log their RSS through ``psutil``, which the test environment lacks; while
   open, the first is a no-op and the second answers 0.
 
-Neither changes any computation.
+None of them changes any computation.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -318,13 +319,14 @@ def sharded_state(stack: MegatronStack, is_loading: bool = False) -> dict[str, A
     return {"model": model, "optimizer": stack.optimizer.sharded_state_dict(model, is_loading=is_loading)}
 
 
-def save_checkpoint(stack: MegatronStack, directory: Any) -> None:
+def save_checkpoint(stack: MegatronStack, directory: Path) -> None:
+    """Save model and optimizer state with ``dist_checkpointing`` (``torch_dist`` format)."""
     directory.mkdir(parents=True, exist_ok=True)
     with checkpoint_io_on_cpu():
         dist_checkpointing.save(sharded_state(stack), str(directory))
 
 
-def load_checkpoint(stack: MegatronStack, directory: Any) -> None:
+def load_checkpoint(stack: MegatronStack, directory: Path) -> None:
     """Load model and optimizer state as Megatron's ``load_checkpoint`` does (into the unwrapped model)."""
     with checkpoint_io_on_cpu():
         state = dist_checkpointing.load(sharded_state(stack, is_loading=True), str(directory))
@@ -332,7 +334,7 @@ def load_checkpoint(stack: MegatronStack, directory: Any) -> None:
     stack.optimizer.load_state_dict(state["optimizer"])
 
 
-def checkpoint_contents(directory: Any) -> dict[str, Any]:
+def checkpoint_contents(directory: Path) -> dict[str, Any]:
     """Everything a checkpoint holds, flat by path: its tensors (``tensors/...``) and its common,
     non-sharded state (``common/...``)."""
     with checkpoint_io_on_cpu():
