@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from tests.mcore_cpu import _replace_module_class
+from tests.mcore_cpu import SDPAttention, TinyHybrid, _replace_module_class
 
 _ABSENT = object()
 
@@ -71,10 +71,43 @@ def moe_mla_on_cpu() -> Iterator[None]:
 
 
 def moe_tracker() -> dict[str, Any]:
-    """mcore's process-wide MoE auxiliary-loss tracker (name -> {"values": per-layer sums, groups})."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    """mcore's process-wide MoE auxiliary-loss tracker (name -> {"values": per-layer sums, groups}).
 
-    return get_moe_layer_wise_logging_tracker()
+    From 0.18 ``get_moe_layer_wise_logging_tracker`` returns a new dict over the entries of
+    ``moe_logging.get_moe_metrics_tracker()`` on each call (the ``values`` tensors are shared).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    legacy = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None)
+    if legacy is not None:
+        return legacy()
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return {name: {"values": entry.values} for name, entry in get_moe_metrics_tracker().metrics.items()}
+
+
+def reduce_moe_tracker() -> None:
+    """mcore's ``reduce_aux_losses_tracker_across_ranks()``: all-reduce the tracker over PP (and its groups)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    reduce = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
+    if reduce is not None:
+        reduce()
+        return
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker._sync_metrics(list(tracker.metrics), None)
+
+
+def _clear_moe_tracker() -> None:
+    """Remove every entry (names and per-layer sums) from mcore's MoE tracker."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # up to 0.17: the legacy dict is the tracker itself
+        moe_tracker().clear()
+    else:
+        get_moe_metrics_tracker().metrics.clear()
 
 
 def moe_tracker_values() -> dict[str, Tensor]:
@@ -86,7 +119,7 @@ def reset_moe_process_state() -> None:
     """Empty the MoE tracker (names included) and reset the aux-loss backward scale to 1."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    moe_tracker().clear()
+    _clear_moe_tracker()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
@@ -282,3 +315,122 @@ def forward_calls(modules: dict[str, torch.nn.Module]) -> Iterator[list[str]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _hybrid_moe_missing() -> Optional[str]:
+    """Why this mcore cannot build a ``HybridModel`` with MoE layers and MTP, or ``None``."""
+    from tests.mcore_cpu import HYBRID_MTP_MISSING
+
+    if HYBRID_MTP_MISSING is not None:
+        return HYBRID_MTP_MISSING
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    if "moe_layer" not in {f.name for f in dataclasses.fields(HybridStackSubmodules)}:
+        return "HybridStackSubmodules has no moe_layer (no MoE layers in HybridModel)"
+    if getattr(Symbols, "MOE", None) is None:
+        return "the hybrid layer pattern has no MoE symbol"
+    return None
+
+
+try:
+    HYBRID_MOE_MISSING: Optional[str] = _hybrid_moe_missing()
+except ImportError as error:  # a release whose hybrid modules are laid out otherwise
+    HYBRID_MOE_MISSING = f"megatron.core.models.hybrid: {error}"
+
+
+_TINY_MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    moe_shared_expert_intermediate_size=16,
+    moe_router_load_balancing_type="aux_loss",
+    moe_aux_loss_coeff=0.01,
+    moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+    add_bias_linear=False,
+)
+
+
+@dataclasses.dataclass
+class TinyHybridMoE(TinyHybrid):
+    """``TinyHybrid`` with MoE (``E``) layers instead of MLP layers, MTP depths included.
+
+    Pattern ``"*E" * (num_layers // 2) + "/*E" * depth``; the MoE layers are mcore's local ones
+    (4 sequential experts, top-2, a shared expert, auxiliary load-balancing loss).
+    """
+
+    def config(self) -> TransformerConfig:
+        self.config_overrides = {**_TINY_MOE, **self.config_overrides}
+        return super().config()
+
+    @property
+    def pattern(self) -> str:
+        return "*E" * (self.num_layers // 2) + "/*E" * (self.mtp_num_layers or 0)
+
+    def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
+        """Build the model with a fixed seed, so two builds are identical twins (open ``moe_mla_on_cpu``)."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        from megatron.core.transformer import transformer_layer
+        from megatron.core.transformer.multi_token_prediction import (
+            MultiTokenPredictionBlock,
+            MultiTokenPredictionBlockSubmodules,
+            MultiTokenPredictionLayer,
+            MultiTokenPredictionLayerSubmodules,
+        )
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        if HYBRID_MOE_MISSING is not None:
+            raise RuntimeError(HYBRID_MOE_MISSING)
+        if self.num_layers % 2:
+            raise ValueError(f"TinyHybridMoE needs an even num_layers, got {self.num_layers}")
+        torch.manual_seed(seed)
+        config = self.config()
+        local = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        local.submodules.self_attention.submodules.core_attention = SDPAttention
+        parts = local.submodules
+        gpt_mtp_layer = get_gpt_mtp_block_spec(config, local, use_transformer_engine=False).layer_specs[0].submodules
+        layer_type = getattr(transformer_layer, "MoETransformerLayer", transformer_layer.TransformerLayer)
+        Layer, Parts = transformer_layer.TransformerLayer, transformer_layer.TransformerLayerSubmodules
+        attention = ModuleSpec(
+            module=Layer,
+            submodules=Parts(input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda),
+        )
+        moe = ModuleSpec(
+            module=layer_type,
+            submodules=Parts(pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda),
+        )
+        mtp_layer = ModuleSpec(
+            module=MultiTokenPredictionLayer,
+            submodules=MultiTokenPredictionLayerSubmodules(
+                enorm=gpt_mtp_layer.enorm,
+                hnorm=gpt_mtp_layer.hnorm,
+                eh_proj=gpt_mtp_layer.eh_proj,
+                mtp_model_layer=None,  # built by the layer from the pattern and the stack's submodules
+                layer_norm=gpt_mtp_layer.layer_norm,
+            ),
+        )
+        stack = ModuleSpec(
+            module=HybridStack,
+            submodules=HybridStackSubmodules(
+                attention_layer=attention,
+                moe_layer=moe,
+                mtp_block_spec=ModuleSpec(
+                    module=MultiTokenPredictionBlock,
+                    submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
+                ),
+            ),
+            params={"post_layer_norm": False},  # HybridStack's final norm is Transformer Engine's
+        )
+        return HybridModel(
+            config=config,
+            hybrid_stack_spec=stack,
+            vocab_size=self.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            hybrid_layer_pattern=self.pattern,
+            share_embeddings_and_output_weights=self.tied,
+            position_embedding_type=self.position_embedding_type,
+            **model_kwargs,
+        )

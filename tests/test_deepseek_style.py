@@ -36,6 +36,7 @@ from tests.mcore_moe import (
     moe_mla_on_cpu,
     moe_tracker_values,
     mtp_moe_layers,
+    reduce_moe_tracker,
     reset_moe_process_state,
     routers,
 )
@@ -172,8 +173,6 @@ def test_inference_micro_batch_runs_no_mtp_moe_layer_and_records_nothing_for_it(
     ``no_grad`` nothing changes; without labels the decoder's MoE layer adds exactly what the
     model without MTP layers records for the same batch. The logits equal stock's main logits.
     """
-    from megatron.core.transformer.moe.moe_utils import reduce_aux_losses_tracker_across_ranks
-
     shape = TinyDeepSeek(vocab_size=VOCAB, mtp_num_layers=2)
     stock, hooked = shape.build(seed=4), shape.build(seed=4)
     hooks = mtp_hooks.attach(hooked)
@@ -209,7 +208,7 @@ def test_inference_micro_batch_runs_no_mtp_moe_layer_and_records_nothing_for_it(
     torch.testing.assert_close(tracker[: shape.num_layers], expected_decoder, rtol=1e-6, atol=0)
     if kind == "no_labels":
         assert decoder_only[1] > 0, "the decoder's MoE layer recorded no loss without labels"
-    reduce_aux_losses_tracker_across_ranks()  # one rank: reduces in place without error
+    reduce_moe_tracker()  # one rank: reduces in place without error
     torch.testing.assert_close(moe_tracker_values()["load_balancing_loss"], tracker)
 
 
@@ -263,6 +262,7 @@ def test_hybrid_model_with_moe_layers_matches_stock() -> None:
     hooks = mtp_hooks.attach(hooked)
     assert torch.equal(hooked_step(hooked, hooks, batch), stock_logits)
     metrics = hooks.metrics()
+    assert len(stock_losses) == shape.mtp_num_layers
     assert [metrics[f"mtp_{k}/loss"] for k in range(1, len(stock_losses) + 1)] == pytest.approx(stock_losses, rel=1e-5, abs=1e-6)
     assert_same_grads(hooked, stock)
     assert stock_tracker, "the hybrid model's MoE layers recorded no auxiliary loss"
