@@ -106,7 +106,9 @@ def test_training_micro_batches_match_stock_with_moe_mtp_layers(depth: int, loss
     reset_moe_process_state()
     hooked_logits, hooked_losses = [], []
     for batch in batches:
-        hooked_logits.append(hooked_step(hooked, hooks, batch))
+        with forward_calls(routers(hooked)) as ran:
+            hooked_logits.append(hooked_step(hooked, hooks, batch))
+        assert sorted(ran) == sorted(routers(hooked)), "every decoder and MTP router runs in training"
         metrics = hooks.metrics()
         hooked_losses.append([metrics[f"mtp_{k}/loss"] for k in range(1, depth + 1)])
     hooked_tracker = moe_tracker_values()
@@ -120,11 +122,11 @@ def test_training_micro_batches_match_stock_with_moe_mtp_layers(depth: int, loss
         if name.startswith("mtp.") or ".mlp.router." in name or ".experts." in name:
             assert p.grad is not None and p.grad.any(), f"{name}: no gradient"
 
-    # The tracker holds one load-balancing loss per decoder and MTP layer; the dense layer records none.
+    # One slot per decoder and MTP layer. (Which slot an MTP router adds to differs by release:
+    # 0.14 adds it to slot 1, its inner layer's number; 0.16 to a slot of its own.)
     assert list(hooked_tracker) == list(stock_tracker) == ["load_balancing_loss"]
     values = stock_tracker["load_balancing_loss"]
-    assert values.shape == (shape.num_layers + depth,)
-    assert values[0] == 0 and values[1:].ne(0).all(), f"stock tracker {values.tolist()}"
+    assert values.shape == (shape.num_layers + depth,) and values.any()
     torch.testing.assert_close(hooked_tracker["load_balancing_loss"], values, rtol=1e-5, atol=1e-6)
 
 
