@@ -116,12 +116,15 @@ def moe_tracker_values() -> dict[str, Tensor]:
 
 
 def reset_moe_process_state() -> None:
-    """Empty the MoE tracker (names included) and reset the aux-loss backward scale to 1."""
+    """Empty the MoE tracker (names included) and unset the aux-loss backward scale.
+
+    Unset, mcore's aux-loss backward uses 1 and a pipeline schedule installs its own scale (a
+    ``[1]`` tensor, which a 0-d scale left from an earlier test could not take).
+    """
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     _clear_moe_tracker()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
 
 class MLACoreAttention(MegatronModule):
