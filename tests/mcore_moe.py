@@ -364,8 +364,8 @@ class TinyHybridMoE(TinyHybrid):
     """
 
     def config(self) -> TransformerConfig:
-        self.config_overrides = {**_TINY_MOE, **self.config_overrides}
-        return super().config()
+        with_moe = dataclasses.replace(self, config_overrides={**_TINY_MOE, **self.config_overrides})
+        return TinyHybrid.config(with_moe)
 
     @property
     def pattern(self) -> str:

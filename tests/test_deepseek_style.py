@@ -145,7 +145,7 @@ def test_tied_embeddings_with_moe_mtp_layers_match_stock() -> None:
     torch.testing.assert_close(moe_tracker_values(), stock_tracker, rtol=1e-5, atol=1e-6)
 
 
-def test_sequential_experts_are_what_runs() -> None:
+def test_decoder_and_mtp_layers_run_mla_and_sequential_experts() -> None:
     """The pin above covers mcore's ``SequentialMLP`` (``moe_grouped_gemm=False``) and MLA, as intended."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -153,15 +153,9 @@ def test_sequential_experts_are_what_runs() -> None:
     model = TinyDeepSeek(vocab_size=VOCAB).build()
     kinds = {type(m) for m in model.modules()}
     assert SequentialMLP in kinds and MLASelfAttention in kinds
-    assert sorted(routers(model)) == [
-        "decoder.layers.1.mlp.router",
-        *(f"mtp.layers.{k}.{inner}.mlp.router" for k in range(2) for inner in [_inner_name(model)]),
-    ]
-
-
-def _inner_name(model: nn.Module) -> str:
-    """Attribute of the transformer layer inside an MTP layer (renamed in mcore 0.17)."""
-    return "mtp_model_layer" if getattr(model.mtp.layers[0], "mtp_model_layer", None) is not None else "transformer_layer"
+    inner = "mtp_model_layer" if getattr(model.mtp.layers[0], "mtp_model_layer", None) is not None else "transformer_layer"
+    expected = ["decoder.layers.1.mlp.router", *(f"mtp.layers.{k}.{inner}.mlp.router" for k in range(2))]
+    assert sorted(routers(model)) == expected
 
 
 # ------------------------------------------------------------------------------- inference
@@ -267,5 +261,6 @@ def test_hybrid_model_with_moe_layers_matches_stock() -> None:
     assert len(stock_losses) == shape.mtp_num_layers
     assert [metrics[f"mtp_{k}/loss"] for k in range(1, len(stock_losses) + 1)] == pytest.approx(stock_losses, rel=1e-5, abs=1e-6)
     assert_same_grads(hooked, stock)
+    assert any(name.startswith("mtp.") for name in routers(hooked)), "the hybrid MTP layers hold no MoE layer"
     assert stock_tracker, "the hybrid model's MoE layers recorded no auxiliary loss"
     torch.testing.assert_close(moe_tracker_values(), stock_tracker, rtol=1e-5, atol=1e-6)
