@@ -33,7 +33,7 @@ from benchmarks.models import Batch
 
 # ``loss_impl`` values benchmarked, each as variant ``hooks_<value>``. "lean" is the library's
 # automatic choice (the default); a value the installed library refuses is skipped with its reason.
-HOOKS_LOSS_IMPLS: tuple[str, ...] = ("lean", "dense")
+HOOKS_LOSS_IMPLS: tuple[str, ...] = ("lean", "recompute", "dense")
 DEFAULT_HOOKS = "hooks_lean"  # the variant the goals are stated for: attach(model) as users call it
 DETACH_HEAD = "hooks_lean_detach_head"
 

@@ -263,18 +263,24 @@ def inference_pass(stack: MegatronStack, rollout: Rollout, logprobs_of: ForwardF
     stack.ddp.train()
 
 
-def training_step(stack: MegatronStack, rollout: Rollout, logprobs_of: ForwardFn) -> list[dict[str, Tensor]]:
-    """One optimizer step: zero DDP's grad buffers, forward/backward every micro-batch through the
-    schedule (DDP accumulates ``main_grad``, ``finalize_model_grads`` reduces), then mcore's step."""
-    stack.ddp.zero_grad_buffer()
-    stack.optimizer.zero_grad()
+def accumulate_gradients(stack: MegatronStack, rollout: Rollout, logprobs_of: ForwardFn) -> list[dict[str, Tensor]]:
+    """Forward/backward every micro-batch of ``rollout`` through the schedule (DDP accumulates
+    ``main_grad``, ``finalize_model_grads`` reduces); no optimizer step."""
 
     def step(data: Iterator[int], model: nn.Module) -> Any:
         m = next(data)
         logprobs = logprobs_of(stack, rollout.batches[m], True)
         return logprobs, functools.partial(ppo_loss, rollout, m)
 
-    logs = _run_schedule(stack, step, len(rollout.batches), forward_only=False)
+    return _run_schedule(stack, step, len(rollout.batches), forward_only=False)
+
+
+def training_step(stack: MegatronStack, rollout: Rollout, logprobs_of: ForwardFn) -> list[dict[str, Tensor]]:
+    """One optimizer step: zero DDP's grad buffers, forward/backward every micro-batch through the
+    schedule (DDP accumulates ``main_grad``, ``finalize_model_grads`` reduces), then mcore's step."""
+    stack.ddp.zero_grad_buffer()
+    stack.optimizer.zero_grad()
+    logs = accumulate_gradients(stack, rollout, logprobs_of)
     with cuda_tensor_types():
         update_successful, _grad_norm, _zeros = stack.optimizer.step()
     assert update_successful
