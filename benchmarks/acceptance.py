@@ -383,6 +383,8 @@ def run(setting: Setting, log: Any = print) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     rewards: list[float] = []
     eval_rewards: list[float] = []
+    grammatical: list[float] = []
+    examples: dict[int, list[list[int]]] = {}
     policy = lambda tokens: arms[0].model(tokens, _positions(tokens), None)  # noqa: E731  (same main params in all)
 
     def evaluate_all(step: int) -> None:
@@ -390,12 +392,14 @@ def run(setting: Setting, log: Any = print) -> dict[str, Any]:
         rollouts = sample_rollouts(policy, prompts, setting.seq, eval_gen)
         steps.append(step)
         eval_rewards.append(float(language.reward(rollouts, PROMPT).mean()))
+        grammatical.append(language.grammatical_share(rollouts, PROMPT))
+        examples[step] = rollouts[:3].tolist()
         line = []
         for arm in arms:
             out = evaluate(arm, rollouts, setting, seed=setting.seed + 1000 + step)
             results[arm.name].append(out)
             line.append(f"{arm.name} {out['accept'][0]:.3f}/{out['accept'][1]:.3f}")
-        log(f"  step {step:>4}: held-out reward {eval_rewards[-1]:.3f}; accept_1/accept_2: " + ", ".join(line))
+        log(f"  step {step:>4}: held-out reward {eval_rewards[-1]:.3f}, grammatical {grammatical[-1]:.3f}; accept_1/accept_2: " + ", ".join(line))
 
     log(f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps), variants {', '.join(VARIANTS)}")
     evaluate_all(0)
@@ -433,6 +437,8 @@ def run(setting: Setting, log: Any = print) -> dict[str, Any]:
         "steps": steps,
         "variants": variants,
         "reward": {"train_mean_per_step": rewards, "held_out_mean": eval_rewards},
+        "grammatical_share": grammatical,
+        "example_rollouts": examples,
         "pretrain": sft,
         "main_parameters_identical_across_variants": True,  # assert_same_policy raised otherwise
         "setting": dataclasses.asdict(setting),
@@ -465,7 +471,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"V={s['vocab']}, N={s['mtp']}, rollouts of {s['seq']} tokens. Pretraining: {result['pretrain']['steps']} steps "
         f"({'plateau reached' if result['pretrain']['plateau'] else 'step limit reached'}). RL: {s['rl_steps']} GRPO steps of "
         f"{s['prompts']}x{s['group']} rollouts; held-out reward {result['reward']['held_out_mean'][0]:.3f} -> "
-        f"{result['reward']['held_out_mean'][-1]:.3f}. Main parameters bit-identical across variants at every step. "
+        f"{result['reward']['held_out_mean'][-1]:.3f}; share of generated tokens the grammar allows "
+        f"{result['grammatical_share'][0]:.3f} -> {result['grammatical_share'][-1]:.3f}. Main parameters bit-identical across variants at every step. "
         f"Evaluated on {s['eval_rollouts']} fresh rollouts every {s['eval_every']} steps; run took {result['seconds']:.0f} s.",
         "",
         f"| variant | accept_1 step 0 → {steps[-1]} | accept_2 step 0 → {steps[-1]} | agree_1 / agree_2 at {steps[-1]} | "
@@ -491,11 +498,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Expected acceptance by RL step (held-out rollouts):",
         "",
-        "| step | " + " | ".join(f"{n} a1 / a2" for n in variants) + " |",
-        "|---:|" + "---:|" * len(variants),
+        "| step | reward | grammatical | " + " | ".join(f"{n} a1 / a2" for n in variants) + " |",
+        "|---:|---:|---:|" + "---:|" * len(variants),
     ]
     for i, step in enumerate(steps):
-        lines.append(f"| {step} | " + " | ".join(f"{_fmt(d['accept_1'][i])} / {_fmt(d['accept_2'][i])}" for d in variants.values()) + " |")
+        lines.append(f"| {step} | {result['reward']['held_out_mean'][i]:.3f} | {result['grammatical_share'][i]:.3f} | " + " | ".join(f"{_fmt(d['accept_1'][i])} / {_fmt(d['accept_2'][i])}" for d in variants.values()) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -515,10 +522,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title("MTP draft acceptance on fresh rollouts of the current policy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax_r.plot(result["steps"], result["reward"]["held_out_mean"], color="black", marker="o", ms=3)
+    ax_r.plot(result["steps"], result["reward"]["held_out_mean"], color="black", marker="o", ms=3, label="reward")
+    ax_r.plot(result["steps"], result["grammatical_share"], color="tab:red", marker="o", ms=3, label="grammatical share")
     ax_r.set_xlabel("RL step")
-    ax_r.set_ylabel("held-out reward")
-    ax_r.set_title("policy reward")
+    ax_r.set_title("policy (held-out rollouts)")
+    ax_r.legend(fontsize=7)
     ax_r.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -72,6 +72,35 @@ class WordLanguage:
         return hits / starts.sum(1).clamp(min=1).float()
 
 
+    def grammatical_share(self, tokens: Tensor, prompt: int) -> float:
+        """Share of generated tokens the grammar allows after what precedes them (spelling inside a
+        word, a bigram successor at a word boundary); how far a policy has left the language."""
+        allowed = total = 0
+        for row in tokens.tolist():
+            state: tuple[int, int] | None = None  # (word, index of the last token in its spelling)
+            for position, token in enumerate(row):
+                if position >= prompt:
+                    total += 1
+                    allowed += int(token in self._next_tokens(state))
+                state = self._advance(state, token)
+        return allowed / max(total, 1)
+
+    def _next_tokens(self, state: "tuple[int, int] | None") -> set[int]:
+        if state is None:  # after BOS or an ungrammatical interior letter: any word may start
+            return set(range(1, self.words + 1))
+        word, index = state
+        if index + 1 < len(self.spellings[word]):
+            return {self.spellings[word][index + 1]}
+        return {1 + w for w in torch.nonzero(self.successors[word]).flatten().tolist()}
+
+    def _advance(self, state: "tuple[int, int] | None", token: int) -> "tuple[int, int] | None":
+        if 1 <= token <= self.words:
+            return (token - 1, 0)
+        if state is not None and state[1] + 1 < len(self.spellings[state[0]]) and self.spellings[state[0]][state[1] + 1] == token:
+            return (state[0], state[1] + 1)
+        return None
+
+
 def _dirichlet(size: int, gen: torch.Generator) -> Tensor:
     """A Dirichlet(1, ..., 1) draw from a seeded generator (normalised exponentials)."""
     draws = -torch.log(torch.rand(size, generator=gen).clamp(min=1e-12))

@@ -83,3 +83,12 @@ def test_realised_acceptance_of_speculative_sampling_matches_sum_of_min(one_intr
         assert tried > 100
         share, mean = accepted / tried, expected / tried
         assert abs(share - mean) < 5 * math.sqrt(max(mean * (1 - mean), 1e-4) / tried), (share, mean, tried)
+
+
+def test_grammatical_share_is_one_on_the_language_and_drops_on_a_broken_sequence() -> None:
+    language = WordLanguage.build(vocab=32, seed=0)
+    samples = language.sample(16, 24, torch.Generator().manual_seed(2))
+    assert language.grammatical_share(samples, acceptance.PROMPT) == 1.0
+    broken = samples.clone()
+    broken[:, 10] = language.vocab - 1  # an interior letter: wrong wherever the spelling does not call for it
+    assert language.grammatical_share(broken, acceptance.PROMPT) < 1.0
