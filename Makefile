@@ -3,7 +3,11 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
+<<<<<<< HEAD
 .PHONY: venv test demo examples bench clean matrix matrix-envs
+=======
+.PHONY: venv test demo bench clean matrix matrix-envs acceptance
+>>>>>>> accept
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +35,9 @@ matrix-envs: venv  ## build the matrix environments only
 
 bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+acceptance: venv  ## draft acceptance through an RL run: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: under 5 minutes)
+	$(PY) -m benchmarks.acceptance $(ACCEPTANCE_ARGS)
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
 	$(PY) -m benchmarks.demo
