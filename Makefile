@@ -3,11 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-<<<<<<< HEAD
-.PHONY: venv test demo examples bench clean matrix matrix-envs
-=======
-.PHONY: venv test demo bench clean matrix matrix-envs acceptance
->>>>>>> accept
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
