@@ -136,7 +136,8 @@ def _lean_loss(
     depth = len(targets)
     per_depth = hidden.shape[0] * hidden.shape[1] // depth
     masks = torch.stack([mask_k.t().reshape(-1) for _labels_k, mask_k in targets])  # [N, T]
-    token_weight = (masks * torch.stack([torch.as_tensor(c, dtype=masks.dtype, device=masks.device) for c in coefs]).unsqueeze(-1))
+    coefficients = torch.stack([torch.as_tensor(c, dtype=masks.dtype, device=masks.device) for c in coefs])
+    token_weight = masks * coefficients.unsqueeze(-1)  # each depth's tokens weighted by its own coefficient
     path = options.loss_impl
     if path == "lean":
         path = choose_weight_grad(hidden.shape[-1], depth * per_depth)

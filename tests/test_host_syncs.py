@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mtp_hooks
-from tests.mcore_cpu import TinyGPT, hooked_train_step, make_batch, stock_train_step
+from tests.mcore_cpu import TinyGPT, hooked_train_step, make_batch
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)
@@ -31,14 +31,13 @@ class HostSyncs(TorchDispatchMode):
 
 @pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}, {"detach_encoder": True, "detach_head": True}], ids=["lean", "dense", "detached"])
 def test_training_micro_batch_makes_no_host_sync_by_default(options: dict[str, Any]) -> None:
-    stock, hooked = SHAPE.build(), SHAPE.build()
+    """Stock makes none either on 0.14 - 0.16 and 0.18+ (0.17.1 tests ``num_tokens > 0`` on the host)."""
+    hooked = SHAPE.build()
     batch = make_batch(VOCAB, seed=1)
-    with HostSyncs() as stock_syncs:
-        stock_train_step(stock, batch)
     hooks = mtp_hooks.attach(hooked, **options)
     with HostSyncs() as syncs:
         hooked_train_step(hooked, hooks, batch)
-    assert stock_syncs.seen == [] and syncs.seen == []
+    assert syncs.seen == []
     assert hooks.metrics()["mtp_1/tokens"] > 0  # it did train
 
 
