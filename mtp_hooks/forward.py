@@ -99,6 +99,11 @@ class ForwardHooks:
         self._thread: Optional[int] = None  # the thread whose forward is in flight while _calls > 0
 
     @property
+    def alive_model(self) -> Optional[nn.Module]:
+        """The language model, or ``None`` once it was garbage-collected."""
+        return self._model_ref()
+
+    @property
     def model(self) -> nn.Module:
         model = self._model_ref()
         if model is None:
@@ -327,7 +332,7 @@ class ForwardHooks:
         """
         if self._calls == 0 or self._thread is None:
             return
-        model = self._model_ref()
+        model = self.alive_model
         if model is None:
             return
         calling = 1 if inside_forward and self._thread == threading.get_ident() else 0

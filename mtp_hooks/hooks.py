@@ -168,7 +168,7 @@ class MTPHooks:
         self._handles.clear()
         self._hooks.close()
         self._removed = True
-        model = self._hooks._model_ref()
+        model = self._hooks.alive_model
         if model is not None and model.__dict__.get(_STATE_KEY) is self:
             del model.__dict__[_STATE_KEY]
 
