@@ -10,4 +10,4 @@ from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.targets import mtp_targets
 
 __all__ = ["MTPHooks", "MTPHooksError", "TokenLogProbs", "attach", "attached", "hooks_of", "mtp_targets"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

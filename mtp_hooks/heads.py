@@ -23,7 +23,8 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
-from mtp_hooks.loss import argmax_matches, choose_weight_grad, lean_mtp_loss
+from mtp_hooks.loss import choose_weight_grad, lean_mtp_loss
+from mtp_hooks.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
 from mtp_hooks.targets import align_with_depths, mtp_targets
 

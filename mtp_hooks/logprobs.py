@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mtp_hooks.loss import ProcessGroup, _accumulation_dtype, _all_reduce, _shard_targets
+from mtp_hooks.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
 
 
 class TokenLogProbs(NamedTuple):
@@ -51,22 +51,22 @@ class LeanLogProbs(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         tokens = hidden.shape[0]
-        dtype = _accumulation_dtype(hidden.dtype)
-        local, in_shard = _shard_targets(labels, weight.shape[0], tp_group)
+        dtype = accumulation_dtype(hidden.dtype)
+        local, in_shard = shard_targets(labels, weight.shape[0], tp_group)
         lse = torch.empty(tokens, dtype=dtype, device=hidden.device)
         logprobs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, tokens))
             logits = _chunk_logits(hidden[rows], weight, temperature, dtype)
-            row_max = _all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
+            row_max = all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
             target = logits.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1) * in_shard[rows]
             shifted = logits.sub_(row_max.unsqueeze(-1))
             exp = shifted.exp() if with_entropy else shifted.exp_()
             sums = [target, exp.sum(dim=-1)]
             if with_entropy:
                 sums.append(exp.mul_(shifted).sum(dim=-1))
-            reduced = _all_reduce(torch.stack(sums), tp_group)
+            reduced = all_reduce(torch.stack(sums), tp_group)
             lse[rows] = row_max + reduced[1].log()
             logprobs[rows] = reduced[0] - lse[rows]
             if with_entropy:

@@ -5,7 +5,8 @@ tensor-parallel group go in; a scalar objective ``sum(token_weight * loss)`` plu
 per-token statistics come out. Logits shards are ``[tokens, V/tp]``; every reduction over the
 vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group``.
 
-* ``argmax_matches`` scores logits that the caller computed (dense path; the CE itself is mcore's).
+* ``argmax_matches`` (from ``vocab_parallel``) scores logits that the caller computed (dense path;
+  the CE itself is mcore's).
 * ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks and computes the
   hidden-state gradient during forward (the objective's upstream gradient is a scalar, so it is
   known up to that factor). Objectives: ``"ce"`` on the labels, and, against the main head's
@@ -39,49 +40,16 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
-
-ProcessGroup = Optional[dist.ProcessGroup]
+from mtp_hooks.vocab_parallel import (
+    ProcessGroup,
+    accumulation_dtype,
+    all_reduce,
+    argmax_matches,
+    group_rank,
+    shard_targets,
+)
 
 _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
-
-
-def _size(group: ProcessGroup) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: ProcessGroup) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def _all_reduce(tensor: Tensor, group: ProcessGroup, op: Any = dist.ReduceOp.SUM) -> Tensor:
-    if _size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
-
-
-def _shard_targets(labels: Tensor, shard_size: int, group: ProcessGroup) -> tuple[Tensor, Tensor]:
-    """Labels as indices into this rank's vocabulary shard, and whether they fall in it."""
-    local = labels - _rank(group) * shard_size
-    in_shard = (local >= 0) & (local < shard_size)
-    return local.clamp(0, shard_size - 1), in_shard
-
-
-@torch.no_grad()
-def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Tensor:
-    """Whether each label's logit is the largest over the full (vocab-parallel) vocabulary.
-
-    ``logits`` ``[..., V/tp]``, ``labels`` ``[...]``; returns a bool tensor shaped like ``labels``.
-    A tie with another token counts as a match.
-    """
-    local, in_shard = _shard_targets(labels, logits.shape[-1], tp_group)
-    row_max = _all_reduce(logits.max(dim=-1).values.float(), tp_group, dist.ReduceOp.MAX)
-    target = _all_reduce(logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() * in_shard, tp_group)
-    return target >= row_max
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half, bf16 and fp32 inputs (as mcore's CE), fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 Objective = Literal["ce", "distill", "tv"]
@@ -137,7 +105,7 @@ def _add_weight_grad_(acc: Tensor, grad: Tensor, grad_low: Tensor, hidden: Tenso
 def _global_argmax(logits: Tensor, row_max: Tensor, group: ProcessGroup) -> Tensor:
     """Candidate full-vocabulary argmax of each row; reduce with MIN over the group (lowest index wins ties)."""
     values, index = logits.max(dim=-1)
-    return torch.where(values == row_max, index + _rank(group) * logits.shape[-1], _NO_INDEX)
+    return torch.where(values == row_max, index + group_rank(group) * logits.shape[-1], _NO_INDEX)
 
 
 def _logit_grad(
@@ -183,7 +151,7 @@ class _Chunk:
         maxima = [logits.max(dim=-1).values]
         if teacher_logits is not None:
             maxima.append(teacher_logits.max(dim=-1).values)
-        maxima = _all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
+        maxima = all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
         row_max = maxima[0]
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
         if teacher_logits is not None:
@@ -195,7 +163,7 @@ class _Chunk:
         if teacher_logits is not None:
             teacher_exp = teacher_logits.sub_(maxima[1].unsqueeze(-1)).exp_()
             sums.append(teacher_exp.sum(dim=-1))
-        sums = _all_reduce(torch.stack(sums), group)
+        sums = all_reduce(torch.stack(sums), group)
         self.lse = row_max + sums[1].log()
         self.ce = self.lse - sums[0]
         self.correct = sums[0] >= row_max
@@ -214,9 +182,9 @@ class _Chunk:
         elif objective == "tv":
             sign = torch.sign(q - p)
             extra += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
-        extra = _all_reduce(torch.stack(extra), group)
+        extra = all_reduce(torch.stack(extra), group)
         self.accept = extra[0]
-        self.agree = torch.eq(*_all_reduce(agree_index, group, dist.ReduceOp.MIN))
+        self.agree = torch.eq(*all_reduce(agree_index, group, dist.ReduceOp.MIN))
         if objective == "distill":  # cross-entropy against p: lse - sum p z
             self.loss = sums[1].log() - extra[1]
         elif objective == "tv":  # 0.5 * sum |q - p|
@@ -269,8 +237,8 @@ class LeanMTPLoss(torch.autograd.Function):
         weight_grad: str = "recompute",
     ) -> tuple[Tensor, ...]:
         tokens = hidden.shape[0]
-        acc_dtype = _accumulation_dtype(hidden.dtype)
-        local, in_shard = _shard_targets(labels, weight.shape[0], tp_group)
+        acc_dtype = accumulation_dtype(hidden.dtype)
+        local, in_shard = shard_targets(labels, weight.shape[0], tp_group)
         token_weight = token_weight.to(acc_dtype)
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fused = need_weight_grad and weight_grad == "fused"
