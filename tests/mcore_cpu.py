@@ -350,9 +350,22 @@ class TinyHybrid(TinyGPT):
 
     def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
         """Build the model with a fixed seed, so two builds are identical twins."""
+        from megatron.core.ssm.mlp_layer import MLPLayer
+
+        if HYBRID_MTP_MISSING is not None:
+            raise RuntimeError(HYBRID_MTP_MISSING)
+        if self.num_layers % 2:
+            raise ValueError(f"{type(self).__name__} needs an even num_layers, got {self.num_layers}")
+        torch.manual_seed(seed)
+        config = self.config()
+        local = get_gpt_layer_local_spec()
+        return self.hybrid_from_local_spec(config, local, "mlp_layer", MLPLayer, **model_kwargs)
+
+    def hybrid_from_local_spec(self, config: TransformerConfig, local: Any, ffn_field: str, ffn_module: type, **model_kwargs: Any) -> torch.nn.Module:
+        """A ``HybridModel`` whose attention and feed-forward layers (``ffn_field`` of the stack's
+        submodules, built as ``ffn_module``) come from a local GPT layer spec, with SDPA attention."""
         from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
         from megatron.core.models.hybrid.hybrid_model import HybridModel
-        from megatron.core.ssm.mlp_layer import MLPLayer
         from megatron.core.transformer.multi_token_prediction import (
             MultiTokenPredictionBlock,
             MultiTokenPredictionBlockSubmodules,
@@ -362,13 +375,6 @@ class TinyHybrid(TinyGPT):
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-        if HYBRID_MTP_MISSING is not None:
-            raise RuntimeError(HYBRID_MTP_MISSING)
-        if self.num_layers % 2:
-            raise ValueError(f"TinyHybrid needs an even num_layers, got {self.num_layers}")
-        torch.manual_seed(seed)
-        config = self.config()
-        local = get_gpt_layer_local_spec()
         local.submodules.self_attention.submodules.core_attention = SDPAttention
         parts = local.submodules
         gpt_mtp_layer = get_gpt_mtp_block_spec(config, local, use_transformer_engine=False).layer_specs[0].submodules
@@ -378,8 +384,8 @@ class TinyHybrid(TinyGPT):
                 input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda
             ),
         )
-        mlp = ModuleSpec(
-            module=MLPLayer,
+        ffn = ModuleSpec(
+            module=ffn_module,
             submodules=TransformerLayerSubmodules(pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda),
         )
         mtp_layer = ModuleSpec(
@@ -396,13 +402,13 @@ class TinyHybrid(TinyGPT):
             module=HybridStack,
             submodules=HybridStackSubmodules(
                 attention_layer=attention,
-                mlp_layer=mlp,
                 mtp_block_spec=ModuleSpec(
                     module=MultiTokenPredictionBlock,
                     submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
                 ),
+                **{ffn_field: ffn},
             ),
-            params={"post_layer_norm": False},
+            params={"post_layer_norm": False},  # HybridStack's final norm is Transformer Engine's
         )
         return HybridModel(
             config=config,

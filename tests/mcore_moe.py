@@ -373,17 +373,8 @@ class TinyHybridMoE(TinyHybrid):
 
     def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
         """Build the model with a fixed seed, so two builds are identical twins (open ``moe_mla_on_cpu``)."""
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
-        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import transformer_layer
-        from megatron.core.transformer.multi_token_prediction import (
-            MultiTokenPredictionBlock,
-            MultiTokenPredictionBlockSubmodules,
-            MultiTokenPredictionLayer,
-            MultiTokenPredictionLayerSubmodules,
-        )
-        from megatron.core.transformer.spec_utils import ModuleSpec
 
         if HYBRID_MOE_MISSING is not None:
             raise RuntimeError(HYBRID_MOE_MISSING)
@@ -392,48 +383,5 @@ class TinyHybridMoE(TinyHybrid):
         torch.manual_seed(seed)
         config = self.config()
         local = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-        local.submodules.self_attention.submodules.core_attention = SDPAttention
-        parts = local.submodules
-        gpt_mtp_layer = get_gpt_mtp_block_spec(config, local, use_transformer_engine=False).layer_specs[0].submodules
-        layer_type = getattr(transformer_layer, "MoETransformerLayer", transformer_layer.TransformerLayer)
-        Layer, Parts = transformer_layer.TransformerLayer, transformer_layer.TransformerLayerSubmodules
-        attention = ModuleSpec(
-            module=Layer,
-            submodules=Parts(input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda),
-        )
-        moe = ModuleSpec(
-            module=layer_type,
-            submodules=Parts(pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda),
-        )
-        mtp_layer = ModuleSpec(
-            module=MultiTokenPredictionLayer,
-            submodules=MultiTokenPredictionLayerSubmodules(
-                enorm=gpt_mtp_layer.enorm,
-                hnorm=gpt_mtp_layer.hnorm,
-                eh_proj=gpt_mtp_layer.eh_proj,
-                mtp_model_layer=None,  # built by the layer from the pattern and the stack's submodules
-                layer_norm=gpt_mtp_layer.layer_norm,
-            ),
-        )
-        stack = ModuleSpec(
-            module=HybridStack,
-            submodules=HybridStackSubmodules(
-                attention_layer=attention,
-                moe_layer=moe,
-                mtp_block_spec=ModuleSpec(
-                    module=MultiTokenPredictionBlock,
-                    submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer]),
-                ),
-            ),
-            params={"post_layer_norm": False},  # HybridStack's final norm is Transformer Engine's
-        )
-        return HybridModel(
-            config=config,
-            hybrid_stack_spec=stack,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            hybrid_layer_pattern=self.pattern,
-            share_embeddings_and_output_weights=self.tied,
-            position_embedding_type=self.position_embedding_type,
-            **model_kwargs,
-        )
+        moe_layer = getattr(transformer_layer, "MoETransformerLayer", transformer_layer.TransformerLayer)
+        return self.hybrid_from_local_spec(config, local, "moe_layer", moe_layer, **model_kwargs)
