@@ -32,7 +32,7 @@ vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import torch
 import torch.distributed as dist
@@ -53,9 +53,9 @@ _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 
 
 
 Objective = Literal["ce", "distill", "tv"]
-OBJECTIVES: tuple[str, ...] = ("ce", "distill", "tv")
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 WeightGrad = Literal["fused", "recompute"]
-WEIGHT_GRAD_MODES: tuple[str, ...] = ("fused", "recompute")
+WEIGHT_GRAD_MODES: tuple[str, ...] = get_args(WeightGrad)
 _NO_INDEX = torch.iinfo(torch.long).max
 
 

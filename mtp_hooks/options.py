@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.loss import OBJECTIVES
+from mtp_hooks.loss import OBJECTIVES, Objective
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
-Objective = Literal["ce", "distill", "tv"]
 Output = Literal["logits", "logprobs"]
 
-LOSS_IMPLS: tuple[str, ...] = ("lean", "fused", "recompute", "dense")
-OUTPUTS: tuple[str, ...] = ("logits", "logprobs")
+LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
+OUTPUTS: tuple[str, ...] = get_args(Output)
 
 
 def _is_real(value: Any) -> bool:
