@@ -4,17 +4,18 @@ Decisions are made by feature detection (signatures and attributes), never by ve
 Where stock mcore computes its own MTP loss, and how the hooks keep it off:
 
 * 0.14 - 0.15: inline in ``GPTModel._postprocess``, gated by ``self.mtp_process`` read *after*
-  the MTP block ran (crashes on ``labels=None``). ``stock_mtp_loss_off_after_block`` sets
-  ``mtp_process = False`` from the block's forward hook, so the gate reads False and the
+  the MTP block ran (crashes on ``labels=None``). The training window (``state``), opened by the
+  block's forward hook, sets ``mtp_process = False``, so the gate reads False and the
   concatenated block output goes to the output layer unsplit.
-* 0.16: inline as well, gated by ``config.mtp_num_layers``: the ``ConfigView`` that reads
-  ``mtp_num_layers = None`` for the length of one forward turns it off.
-* 0.17 - 0.18: ``process_mtp_loss``, gated by ``config.mtp_num_layers`` (``ConfigView``).
+* 0.16: inline as well, gated by ``config.mtp_num_layers``: the window's config view, which reads
+  ``mtp_num_layers = None``, turns it off.
+* 0.17 - 0.18: ``process_mtp_loss``, gated by ``config.mtp_num_layers`` (the view).
 * 0.19: ``process_mtp_loss`` derives labels from ``input_ids`` when ``labels`` is None and would
-  train MTP on every forward; the same ``ConfigView`` gate keeps it off. ``HybridModel``
-  (0.18+) gates on ``config.mtp_num_layers is not None and self.mtp_process``: both apply.
+  train MTP on every forward; the same view keeps it off. ``HybridModel`` (0.18+) gates on
+  ``config.mtp_num_layers is not None and self.mtp_process``: both apply.
 
 Both switches are applied on every version; each is a no-op where the gate it targets is absent.
+``check_call_conventions`` checks at ``attach`` the keyword names the hooks rely on.
 The normalisation of the MTP loss follows the installed version (``depth_coefficient``).
 """
 
@@ -74,17 +75,30 @@ def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, co
         MTPLossLoggingHelper.save_loss_to_tracker(loss, depth_index, depth, avg_group=avg_group)
 
 
-def stock_mtp_loss_off_after_block(model: nn.Module, restore: list[tuple[nn.Module, str, Any]]) -> None:
-    """Make the post-processing that follows the MTP block skip stock mcore's MTP loss.
+def check_call_conventions(model: nn.Module, detach_encoder: bool) -> None:
+    """Refuse a release whose modules are called unlike the hooks expect, once at ``attach``.
 
-    Called from the MTP block's forward hook, i.e. after the block ran and before the loss gate.
-    Needed on 0.14 - 0.15 (``GPTModel._postprocess`` gates on ``self.mtp_process``) and read by
-    0.18+ ``HybridModel`` (gate ``config.mtp_num_layers is not None and self.mtp_process``);
-    0.16 - 0.19 ``GPTModel`` no longer read ``mtp_process`` after the block, so it is a no-op
-    there. ``restore`` gets the entry that puts the attribute back after the forward.
+    The hooks read and rewrite keyword arguments of three calls: the output layer's
+    (``weight``, ``runtime_gather_output``, its input first), the MTP block's
+    (``packed_seq_params``) and, with ``detach_encoder``, the MTP layers' (``hidden_states``,
+    ``embedding``). A release that names them differently is refused here, not mid-forward.
     """
-    restore.append((model, "mtp_process", model.mtp_process))
-    model.mtp_process = False
+    expected: list[tuple[str, Any, tuple[str, ...]]] = []
+    if getattr(model, "post_process", False):
+        expected.append(("output layer", model.output_layer, ("weight", "runtime_gather_output")))
+    if getattr(model, "mtp_process", False):
+        expected.append(("MTP block", model.mtp, ("hidden_states", "packed_seq_params")))
+        if detach_encoder:
+            expected += [("MTP layer", layer, ("hidden_states", "embedding")) for layer in model.mtp.layers]
+    for what, module, names in expected:
+        parameters = inspect.signature(type(module).forward).parameters
+        missing = [name for name in names if name not in parameters]
+        if missing:
+            raise MTPHooksError(
+                f"model: this megatron-core release calls the {what} differently\n"
+                f"  expected: {type(module).__name__}.forward taking {', '.join(names)}\n"
+                f"  received: a forward without {', '.join(missing)}; use a supported release (0.14 - 0.19)"
+            )
 
 
 def depth_coefficient(depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor) -> Any:

@@ -44,15 +44,15 @@ def check_targets(labels: Any, loss_mask: Any, validate: Validate) -> None:
 
 
 def check_against_inputs(labels: Tensor, input_ids: Any) -> None:
-    """Targets must match the call's ``input_ids`` in shape, device and dtype."""
+    """Targets must match the call's ``input_ids`` in shape and device (any integer dtype, as stock)."""
     if not isinstance(input_ids, Tensor):
         return
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise bad_argument("input_ids", "an integer dtype of input_ids (token ids)", describe(input_ids))
     if labels.shape != input_ids.shape:
         raise bad_argument("labels", f"shape of input_ids {tuple(input_ids.shape)}", describe(labels))
     if labels.device != input_ids.device:
         raise bad_argument("labels", f"a tensor on the device of input_ids ({input_ids.device})", f"a tensor on {labels.device}")
-    if labels.dtype != input_ids.dtype:
-        raise bad_argument("labels", f"the dtype of input_ids ({input_ids.dtype})", f"labels of dtype {labels.dtype}")
 
 
 def check_label_range(labels: Tensor, loss_mask: Optional[Tensor], vocab_size: int, validate: Validate) -> None:

@@ -1,4 +1,4 @@
-"""The one exception type of ``mtp_hooks``."""
+"""The two exception types of ``mtp_hooks``: bad input, and calls the hooks' state refuses."""
 
 from __future__ import annotations
 
@@ -12,9 +12,23 @@ class MTPHooksError(ValueError):
     """
 
 
+class MTPHooksStateError(RuntimeError):
+    """Raised for a call the hooks' state refuses, whatever its arguments: a nested forward, a
+    forward or ``micro_batch`` from a second thread while one is in flight, a call on removed
+    hooks, hooks whose model is gone, a copy taken mid-forward.
+
+    Messages name the call, then what was expected and what came, on separate lines.
+    """
+
+
 def bad_argument(name: str, expected: str, received: Any) -> MTPHooksError:
     """Build an ``MTPHooksError`` for argument ``name``."""
     return MTPHooksError(f"{name}: bad value\n  expected: {expected}\n  received: {received}")
+
+
+def bad_state(call: str, expected: str, received: str) -> MTPHooksStateError:
+    """Build an ``MTPHooksStateError`` for ``call``."""
+    return MTPHooksStateError(f"{call}: refused\n  expected: {expected}\n  received: {received}")
 
 
 def describe(value: Any) -> str:

@@ -1,102 +1,70 @@
-"""The per-forward state machine: the hooks that open a forward, swap what it needs, and restore.
+"""The hooks of one language model, in the order a forward meets them.
 
-In the order a forward meets them:
-
-1. model forward pre-hook (``on_model_pre``): takes ``labels`` / ``loss_mask`` out of the call (or
-   the armed ``micro_batch`` targets), so mcore returns logits; decides training or inference;
-   installs a ``ConfigView`` (``mtp_num_layers`` reads ``None``: mcore's own MTP loss stays off);
-   for inference also sets ``mtp_process = False`` so the MTP block does not run.
-2. MTP block pre-hook (``on_mtp_block_pre``): hands packed batches the padded layout.
-3. MTP layer pre-hooks (``on_mtp_layer_pre``, with ``detach_encoder``): a ``DetachedEmbedding``
-   proxy for ``embedding`` and detached depth-0 trunk hidden states (every depth's input hidden
-   states with ``detach_between_depths``).
-4. MTP block forward hook (``on_mtp_block_post``): turns off the stock MTP loss of releases that
-   gate it on ``mtp_process`` after the block ran (``_mcore``).
-5. output layer pre-hook (``on_output_layer_pre``): the MTP losses and the log-prob output
-   (``heads``); chunk 0 goes on to mcore's own main head.
-6. model forward hook, ``always_call`` (``on_model_post``): restores every swapped attribute, also
-   when forward raised, and counts the forward's metrics only if it completed.
+1. model pre-hook (``on_model_pre``): takes the model's lock (one forward at a time, one thread),
+   takes ``labels`` / ``loss_mask`` out of the call (or the ``micro_batch`` targets) so mcore
+   returns logits, and decides training or inference. It changes nothing on the model.
+2. decoder forward hook (``on_decoder_post``, kept last): an inference forward opens the window
+   (``state``): ``mtp_process = False``, so the MTP block does not run.
+3. MTP block pre-hook: packed batches get the padded layout; MTP layer pre-hooks
+   (``detach_encoder``): a ``DetachedEmbedding`` and detached trunk hidden states.
+4. MTP block forward hook (``on_mtp_block_post``, kept last): remembers the block's output and
+   opens the training window (stock's own MTP loss off, ``_mcore``).
+5. output-layer pre-hook kept first (``on_output_layer_first``): closes the window, so the model is
+   stock again before any user hook; the main pre-hook (``on_output_layer_pre``) computes the MTP
+   losses on the call that carries the block's output (``heads``) and the log-prob output.
+6. model forward hook (``on_model_post``, ``always_call``, kept last): closes the window if still
+   open, counts the forward's metrics only if the forward and every hook before it completed,
+   releases the lock.
+Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks: ``copies``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 import threading
 import weakref
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from mtp_hooks import _mcore, heads
 from mtp_hooks.arguments import CallArguments
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
-from mtp_hooks.errors import MTPHooksError, bad_argument
+from mtp_hooks.copies import CopyableHooks
+from mtp_hooks.errors import bad_argument, bad_state
 from mtp_hooks.interrupts import forwards_on_stack
-from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
-from mtp_hooks.proxies import ConfigView, DetachedEmbedding
+from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
+from mtp_hooks.state import ForwardState, MicroBatch, Originals
 from mtp_hooks.targets import packed_layout
 
 HookResult = Optional[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
-@dataclasses.dataclass
-class MicroBatch:
-    """Targets of one training micro-batch, as the user gave them."""
-
-    labels: Tensor
-    loss_mask: Optional[Tensor]
-    used: bool = False
-    scoped: bool = False  # armed by ``with micro_batch(...)``: stays until the block ends
-    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
-
-
-@dataclasses.dataclass
-class ForwardState:
-    """State of the forward in flight; lives from the model's pre-hook to its post-hook."""
-
-    targets: Optional[MicroBatch]
-    packed_seq_params: Any
-    restore: list[tuple[nn.Module, str, Any]]
-    mtp_layer_calls: int = 0
-    attached: bool = False
-    loss_path: Optional[str] = None  # how the MTP losses were computed (``MTPHooks.loss_path``)
-    in_own_head_call: bool = False
-    # Metrics of this forward, added to the running sums only once the forward has completed.
-    metrics: list[heads.DepthSums] = dataclasses.field(default_factory=list)
-    # Set when switching ``mtp_process`` off changed ``shared_embedding_or_output_weight()``.
-    output_weight: Optional[Tensor] = None
-    # ``output="logprobs"``: the labels the main head is scored on, and what the forward returns.
-    head_labels: Optional[Tensor] = None
-    head_output: Optional[TokenLogProbs] = None
-
-    @property
-    def train(self) -> bool:
-        return self.targets is not None
-
-    def restore_all(self) -> None:
-        for module, name, value in reversed(self.restore):
-            setattr(module, name, value)
-        self.restore.clear()
-
-
-class ForwardHooks:
+class ForwardHooks(CopyableHooks):
     """The hooks of one language model and the state they share between and within forwards."""
 
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
         self.depth: int = model.config.mtp_num_layers
         self.metrics = MTPMetrics(self.depth)
+        self.loss_path: Optional[str] = None  # of the last completed training forward
+        self._arguments = CallArguments(model)
+        self._last: dict[str, int] = {}  # hooks kept first / last in their dicts, by handle id
+        self._bind(model, model.config, bool(model.mtp_process))
+
+    def _bind(self, model: nn.Module, config: Any, mtp_process: bool) -> None:
+        """(Re)bind to ``model``: also what a copy of a hooked model does (``copies``)."""
         self.pending: Optional[MicroBatch] = None
         self.forward: Optional[ForwardState] = None
-        self.loss_path: Optional[str] = None  # of the last completed training forward
         self._model_ref = weakref.ref(model)
-        self._arguments = CallArguments(model)
-        self._calls = 0
-        self._thread: Optional[int] = None  # the thread whose forward is in flight while _calls > 0
+        self._originals = Originals(config, mtp_process, config_view(config, self._view_live))
+        self._lock = threading.Lock()  # held from a forward's pre-hook to its post-hook
+        self._recovering = threading.Lock()
+        self._refused = 0  # nested calls refused on the owning thread whose post-hook is pending
+        self._last_training: Optional[tuple[Any, ...]] = None  # weak refs, for checkpoint recomputes
 
     @property
     def alive_model(self) -> Optional[nn.Module]:
@@ -107,39 +75,57 @@ class ForwardHooks:
     def model(self) -> nn.Module:
         model = self._model_ref()
         if model is None:
-            raise MTPHooksError("the model these hooks were attached to no longer exists")
+            raise bad_state("model", "the model these hooks were attached to", "a model that no longer exists")
         return model
 
-    def install(self, model: nn.Module) -> list[RemovableHandle]:
-        handles = [
-            model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True),
-            model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True),
-        ]
+    def install(self, model: nn.Module) -> list[Any]:
+        _mcore.check_call_conventions(model, self.options.detach_encoder)
+        pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
+        post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
+        handles = [pre, post]
+        self._last["model"] = post.id
         if model.post_process:
+            handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True))
+            self._last["output_first"] = handles[-1].id
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_pre, with_kwargs=True))
+            handles.append(model.decoder.register_forward_hook(self.on_decoder_post))
+            self._last["decoder"] = handles[-1].id
         if model.mtp_process:
             handles.append(model.mtp.register_forward_hook(self.on_mtp_block_post))
+            self._last["block"] = handles[-1].id
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
             if self.options.detach_encoder:
                 for layer in model.mtp.layers:
                     handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
         return handles
 
+    def _keep_order(self, model: nn.Module) -> None:
+        """Keep the post-hooks last and the window-closing pre-hook first, whatever users add later."""
+        for name, hooks, last in (
+            ("model", model._forward_hooks, True),
+            ("decoder", getattr(model, "decoder", None) and model.decoder._forward_hooks, True),
+            ("block", getattr(model, "mtp", None) and model.mtp._forward_hooks, True),
+            ("output_first", getattr(model, "output_layer", None) and model.output_layer._forward_pre_hooks, False),
+        ):
+            hook_id = self._last.get(name)
+            if hook_id is None or not hooks or hook_id not in hooks:
+                continue
+            edge = next(reversed(hooks)) if last else next(iter(hooks))
+            if edge != hook_id:
+                hooks.move_to_end(hook_id, last=last)
+
     # ------------------------------------------------------------ micro-batch targets
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor]) -> MicroBatch:
-        """Make ``labels`` / ``loss_mask`` the targets of this thread's next forward."""
-        self.recover_interrupted()
+        """Make ``labels`` / ``loss_mask`` the targets of this thread's ``with micro_batch`` block."""
+        self.recover_abandoned()
         pending = self.pending
         if pending is not None and pending.thread != threading.get_ident():
             raise other_thread("micro_batch", "a micro_batch")
-        if pending is not None and pending.scoped:
-            raise bad_argument("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
-        if pending is not None and not pending.used:
-            raise bad_argument(
-                "micro_batch",
-                "a forward between two micro_batch(...) calls (each call arms the next forward)",
-                "a second micro_batch(...) while the targets of the first were not used by any forward",
-            )
+        if pending is not None and not pending.entered:
+            self.pending = None
+            raise not_entered()
+        if pending is not None:
+            raise bad_state("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
         check_targets(labels, loss_mask, self.options.validate)
         self.pending = MicroBatch(labels, loss_mask)
         return self.pending
@@ -149,115 +135,155 @@ class ForwardHooks:
         if self.pending is targets:
             self.pending = None
 
-    def _targets_for_call(self, labels: Any, loss_mask: Any) -> Optional[MicroBatch]:
+    def _targets_for_call(self, labels: Any, loss_mask: Any, input_ids: Any, grad: bool) -> Optional[MicroBatch]:
         pending = self.pending
         if pending is not None and pending.thread != threading.get_ident():
-            raise other_thread("model", "a forward")
+            pending = None  # another thread's block: never this forward's
+        if pending is not None and not pending.entered:
+            self.pending = None
+            raise not_entered()
         if labels is None and loss_mask is None:
             if pending is None:
                 return None
-            if pending.used:
-                raise bad_argument("micro_batch", "one forward per micro_batch", "a second forward inside the same micro_batch")
-            pending.used = True
-            if not pending.scoped:
-                self.pending = None  # armed by a plain call: consumed by this forward
+            if grad:  # a grad-disabled forward inside the block is inference: it leaves the targets
+                if pending.used:
+                    raise bad_state("model", "one training forward per micro_batch", "a second training forward inside the same micro_batch")
+                pending.used = True
             return pending
         if pending is not None:
             raise bad_argument("labels", "labels either in micro_batch(...) or as model(..., labels=...), not both", "both")
         if labels is None:
             raise bad_argument("labels", "a [b, s] integer tensor when loss_mask is given", None)
+        if isinstance(labels, Tensor) and labels.dim() == 2:
+            check_against_inputs(labels, input_ids)
         check_targets(labels, loss_mask, self.options.validate)
         return MicroBatch(labels, loss_mask)
 
+    def _recompute_targets(self, input_ids: Any) -> Optional[MicroBatch]:
+        """The targets of the completed training forward that a backward-time recompute
+        (``torch.utils.checkpoint``) of the same call repeats, matched by its ``input_ids``."""
+        last = self._last_training
+        if last is None or torch._C._current_graph_task_id() == -1 or last[0]() is not input_ids:
+            return None
+        labels, loss_mask = last[1](), None if last[2] is None else last[2]()
+        if labels is None or (last[2] is not None and loss_mask is None):
+            return None
+        return MicroBatch(labels, loss_mask, used=True)
+
     # --------------------------------------------------------------------- the hooks
     def on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        self.recover_interrupted(inside_forward=True)
-        if self._calls > 0 and self._thread != threading.get_ident():
-            raise other_thread("model", "a forward")
-        self._calls += 1
-        self._thread = threading.get_ident()
-        if self._calls > 1:
-            raise MTPHooksError("model: a forward of this model started inside another forward of it; nested forwards are not supported")
+        if not self._lock.acquire(blocking=False):
+            self._lock_busy(model)
+        self.forward = state = ForwardState(model, kwargs, threading.get_ident(), sys.exc_info()[1])
+        self._keep_order(model)
         arguments = self._arguments
         args, labels = arguments.take(args, kwargs, "labels")
         args, loss_mask = arguments.take(args, kwargs, "loss_mask")
-        targets = self._targets_for_call(labels, loss_mask)
+        grad = torch.is_grad_enabled()
+        state.input_ids = input_ids = arguments.get(args, kwargs, "input_ids")
+        targets = self._targets_for_call(labels, loss_mask, input_ids, grad)
+        if targets is None and grad:
+            targets = self._recompute_targets(input_ids)
+            state.recompute = targets is not None
         if targets is not None:
-            check_against_inputs(targets.labels, arguments.get(args, kwargs, "input_ids"))
-        train = targets is not None and torch.is_grad_enabled() and model.post_process
+            check_against_inputs(targets.labels, input_ids)
+        train = targets is not None and grad and model.post_process
         if train and arguments.get(args, kwargs, "output_processor") is not None:
             # mcore 0.18+: the processor replaces the output layer call the MTP loss hangs on.
             raise bad_argument("output_processor", "None in a training micro-batch (mtp_hooks needs the output layer call)", "a processor")
-        state = ForwardState(
-            targets=targets if train else None,
-            packed_seq_params=arguments.get(args, kwargs, "packed_seq_params"),
-            restore=[(model, "config", model.config)],
-        )
+        state.targets = targets if train else None
+        state.packed_seq_params = arguments.get(args, kwargs, "packed_seq_params")
         logprobs = self.options.output == "logprobs"
         vocab_size = getattr(model, "vocab_size", None)
-        if vocab_size is not None and targets is not None and (state.train or logprobs):
+        if vocab_size is not None and targets is not None and (train or logprobs):
             check_label_range(targets.labels, targets.loss_mask, vocab_size, self.options.validate)
         if logprobs and model.post_process:
             if targets is None:
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
             state.head_labels = targets.labels
-        if not train and model.mtp_process:
-            self._skip_mtp_block(model, state)
-        model.config = ConfigView(model.config)
-        self.forward = state
         return args, kwargs
 
-    @staticmethod
-    def _skip_mtp_block(model: nn.Module, state: ForwardState) -> None:
-        tied = model.post_process and getattr(model, "share_embeddings_and_output_weights", False)
-        weight = model.shared_embedding_or_output_weight() if tied else None
-        state.restore.append((model, "mtp_process", model.mtp_process))
-        model.mtp_process = False
-        if tied and model.shared_embedding_or_output_weight() is not weight:
-            # A later pipeline stage with tied embeddings keeps a copy of the word embeddings
-            # for MTP and serves it as the output weight only while ``mtp_process`` is set;
-            # without it mcore would hand its untrained ``output_layer.weight`` to the head.
-            state.output_weight = weight
+    def _lock_busy(self, model: nn.Module) -> None:
+        """The lock is held: refuse a nested or other-thread forward, or recover an abandoned one."""
+        me = threading.get_ident()
+        state = self.forward
+        owner = None if state is None else state.thread
+        if owner == me and forwards_on_stack(model, me, 2) > 1:
+            self._refused += 1
+            raise bad_state("model", "no forward of this model in flight when it is called", "a forward started inside another forward of it (nested forwards are not supported)")
+        if owner is not None and owner != me and forwards_on_stack(model, owner, 1):
+            raise other_thread("model", "a forward")
+        self.recover_abandoned(inside_forward=True)
+        if not self._lock.acquire(blocking=False):
+            raise other_thread("model", "a forward")
 
-    def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if self._calls == 0 or self._thread != threading.get_ident():
-            return None  # this call's pre-hook never ran: refused above, or an earlier pre-hook raised
-        self._calls -= 1
-        if self._calls > 0:
+    def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        state = self.forward
+        if state is None or state.train or state.thread != threading.get_ident():
             return None
-        state, self.forward = self.forward, None
-        if state is None:
-            return None
-        state.restore_all()
-        if output is not None and state.train and not state.attached:
-            raise AssertionError(
-                "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
-                "received the MTP block's output (a path that bypasses module hooks?)"
-            )
-        if output is None:  # forward raised, and its micro-batch counts for nothing
-            return None
-        if state.loss_path is not None:
-            self.loss_path = state.loss_path
-        for entry in state.metrics:
-            self.metrics.add(*entry)
-            if model.training:  # stock mcore tracks only in training mode
-                k, ce_sum, tokens, correct = entry[:4]
-                _mcore.track_depth(k, self.depth, ce_sum, tokens, correct)
-        return state.head_output
+        model = state.model
+        if model.mtp_process:
+            tied = getattr(model, "share_embeddings_and_output_weights", False)
+            weight = model.shared_embedding_or_output_weight() if tied else None
+            state.open_window(self._current_originals(model), mtp_process_off=True)
+            if tied and model.shared_embedding_or_output_weight() is not weight:
+                # A later pipeline stage with tied embeddings keeps a copy of the word embeddings
+                # for MTP and serves it as the output weight only while ``mtp_process`` is set;
+                # without it mcore would hand its untrained ``output_layer.weight`` to the head.
+                state.output_weight = weight
+        return None
+
+    def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        state = self.forward
+        if state is not None and state.train and state.thread == threading.get_ident():
+            state.block_output = output
+            state.open_window(self._current_originals(state.model), mtp_process_off=True)
+        return None
+
+    def _current_originals(self, model: nn.Module) -> Originals:
+        """The attach-time originals; a config the user replaced since (not a view) is adopted."""
+        config = model.__dict__.get("config")
+        originals = self._originals
+        if config is not originals.config and not is_config_view(config):
+            originals = self._originals = Originals(config, originals.mtp_process, config_view(config, self._view_live))
+        return originals
+
+    def _view_live(self) -> bool:
+        """Whether the config view should read ``mtp_num_layers = None`` now: only on the thread of
+        a forward that is still running. A read after an interrupt abandoned it restores stock."""
+        state = self.forward
+        if state is None or state.window is None or state.thread != threading.get_ident():
+            return False
+        if forwards_on_stack(state.model, state.thread, 1):
+            return True
+        self.recover_abandoned()
+        return False
+
+    def on_output_layer_first(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
+        state = self.forward
+        if state is not None and state.thread == threading.get_ident() and state.close_window():
+            state.main_pending = True
+        return None
 
     def on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
         state = self.forward
-        if state is None or state.in_own_head_call:
+        if state is None or state.in_own_head_call or state.thread != threading.get_ident():
             return None
-        if state.output_weight is not None:  # inference forward, see ``_skip_mtp_block``
+        hidden = args[0]
+        if state.train:
+            if state.attached or hidden is not state.block_output:
+                return None  # someone else's call of the output layer (a logit lens): stock's
+        elif not state.main_pending:
+            return None
+        state.main_pending = False
+        if state.output_weight is not None:  # inference forward, see ``on_decoder_post``
             kwargs["weight"] = state.output_weight
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
-        hidden = args[0]
-        if state.train and not state.attached:
+        if state.train:
             assert state.targets is not None
-            model = self.model
+            model = state.model
             detach = self.options.detach_head or _mcore.config_detaches_heads(model.config)
             hidden, state.metrics, state.loss_path = heads.attach_mtp_losses(
                 self.options,
@@ -300,17 +326,11 @@ class ForwardHooks:
         kwargs["packed_seq_params"] = layout
         return args, kwargs
 
-    def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        state = self.forward
-        if state is not None and state.train:
-            _mcore.stock_mtp_loss_off_after_block(self.model, state.restore)
-        return None
-
     def on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
         state = self.forward
         if state is None or not state.train:
             return None
-        if "embedding" in kwargs and kwargs["embedding"] is not None:
+        if kwargs.get("embedding") is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
         if state.mtp_layer_calls == 0 or self.options.detach_between_depths:
             # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
@@ -320,40 +340,85 @@ class ForwardHooks:
         state.mtp_layer_calls += 1
         return args, kwargs
 
-    # ------------------------------------------------- interrupted forwards and removal
-    def recover_interrupted(self, inside_forward: bool = False) -> None:
-        """Clean up after a forward that a non-``Exception`` interrupt abandoned (``interrupts``).
+    def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        state = self.forward
+        if state is None or state.thread != threading.get_ident():
+            return None  # refused in its pre-hook (another thread), or an earlier pre-hook raised
+        if self._refused:
+            self._refused -= 1
+            return None  # a nested call that our pre-hook refused
+        if kwargs is not state.kwargs and forwards_on_stack(model, state.thread, 2) > 1:
+            return None  # a nested call whose earlier pre-hook raised before ours ran
+        self.forward = None
+        state.close_window()
+        self._lock.release()
+        if state.failed(output):
+            return None  # the forward, or a hook before this one, raised: it counts for nothing
+        if state.train and not state.attached:
+            raise AssertionError(
+                "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
+                "received the MTP block's output (a path that bypasses module hooks?)"
+            )
+        if state.train and not state.recompute:
+            self._count(model, state)
+        return state.head_output
 
-        Only when a forward is counted as in flight: then, if no forward of the model is on the
-        owning thread's stack any more (besides the one calling, ``inside_forward``), restore
-        what it swapped, drop its metrics, and free the nesting counter. Its targets are gone
-        already: a ``with micro_batch`` block drops them on any exit, a plain call's targets are
-        consumed when the forward starts.
-        """
-        if self._calls == 0 or self._thread is None:
+    def _count(self, model: nn.Module, state: ForwardState) -> None:
+        """Add a completed training forward's metrics and remember it for checkpoint recomputes."""
+        assert state.targets is not None
+        self.loss_path = state.loss_path
+        mask = state.targets.loss_mask
+        ids = state.input_ids
+        self._last_training = (
+            weakref.ref(ids) if isinstance(ids, Tensor) else lambda: None,
+            weakref.ref(state.targets.labels),
+            None if mask is None else weakref.ref(mask),
+        )
+        for entry in state.metrics:
+            self.metrics.add(*entry)
+            if model.training:  # stock mcore tracks only in training mode
+                k, ce_sum, tokens, correct = entry[:4]
+                _mcore.track_depth(k, self.depth, ce_sum, tokens, correct)
+
+    # ------------------------------------------------- abandoned forwards and removal
+    def recover_abandoned(self, inside_forward: bool = False) -> None:
+        """Clean up after a forward that a non-``Exception`` interrupt abandoned (``interrupts``):
+        if no forward of the model is on the owning thread's stack any more, restore what it
+        changed, drop it and free the lock. A ``with micro_batch`` block dropped its targets."""
+        if self.forward is None:
             return
-        model = self.alive_model
-        if model is None:
-            return
-        calling = 1 if inside_forward and self._thread == threading.get_ident() else 0
-        if forwards_on_stack(model, self._thread) > calling:
-            return  # still running: a genuine nested call, or another thread's forward
-        state, self.forward = self.forward, None
-        if state is not None:
-            state.restore_all()
-        self._calls, self._thread = 0, None
+        with self._recovering:
+            state = self.forward
+            if state is None:
+                return
+            calling = 1 if inside_forward and state.thread == threading.get_ident() else 0
+            if state is None or forwards_on_stack(state.model, state.thread, calling + 1) > calling:
+                return
+            self.forward, self._refused = None, 0
+            state.close_window()
+            if self._lock.locked():
+                self._lock.release()
 
     def close(self) -> None:
-        """Restore whatever a forward in flight swapped and drop armed targets (for ``remove``)."""
-        if self.forward is not None:
-            self.forward.restore_all()
-            self.forward = None
+        """For ``remove``: refuse while a forward runs; restore and drop everything otherwise."""
+        state = self.forward
+        if state is not None and forwards_on_stack(state.model, state.thread, 1):
+            raise bad_state("remove", "no forward of the model in flight", "remove() while a forward of the model is running")
+        self.recover_abandoned()
         self.pending = None
 
 
-def other_thread(name: str, what: str) -> MTPHooksError:
-    return bad_argument(
+def other_thread(name: str, what: str) -> Exception:
+    return bad_state(
         name,
         "one thread at a time on these hooks (attach one model per thread, or serialise the calls)",
-        f"{what} from thread {threading.get_ident()} while another thread has a micro_batch open or a forward in flight",
+        f"{what} from thread {threading.get_ident()} while another thread has a forward in flight",
+    )
+
+
+def not_entered() -> Exception:
+    return bad_state(
+        "micro_batch",
+        "`with hooks.micro_batch(labels, loss_mask):` around the training forward (the block bounds the targets)",
+        "micro_batch(...) called without `with`; its targets were dropped and trained nothing",
     )

@@ -24,9 +24,10 @@ from torch.utils.hooks import RemovableHandle
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from mtp_hooks import _mcore
-from mtp_hooks.errors import MTPHooksError, bad_argument
+from mtp_hooks.errors import MTPHooksError, bad_argument, bad_state
 from mtp_hooks.checks import Validate
-from mtp_hooks.forward import ForwardHooks, MicroBatch
+from mtp_hooks.forward import ForwardHooks
+from mtp_hooks.state import MicroBatch
 from mtp_hooks.options import LossImpl, Objective, Options, Output
 
 _STATE_KEY = "_mtp_hooks"
@@ -49,10 +50,12 @@ def _find_language_model(model: nn.Module) -> nn.Module:
 
 
 class MicroBatchTargets:
-    """What ``MTPHooks.micro_batch`` returns: the targets are armed already; ``with`` scopes them.
+    """What ``MTPHooks.micro_batch`` returns: a context manager whose block owns the targets.
 
-    Used in a ``with`` block, the targets belong to the one forward inside it and are dropped on
-    exit (also by exception). Called plainly, they wait for this thread's next forward of the model.
+    Inside the block, the one training (grad-enabled) forward of this thread trains on them;
+    grad-disabled forwards in the block are inference and leave them. They are dropped on exit
+    (also by exception), so they can never train a later batch. Not entered, they train nothing:
+    the next forward or ``micro_batch`` raises ``MTPHooksStateError``.
     """
 
     def __init__(self, hooks: "MTPHooks", targets: MicroBatch) -> None:
@@ -60,7 +63,7 @@ class MicroBatchTargets:
         self._targets = targets
 
     def __enter__(self) -> "MTPHooks":
-        self._targets.scoped = True
+        self._targets.entered = True
         return self._hooks
 
     def __exit__(self, *exc: Any) -> None:
@@ -84,10 +87,7 @@ class MTPHooks:
 
     def _live(self, method: str) -> ForwardHooks:
         if self._removed:
-            raise MTPHooksError(
-                f"{method}: these hooks were removed\n  expected: hooks still attached (attach the model again to train MTP)\n"
-                "  received: a call after remove()"
-            )
+            raise bad_state(method, "hooks still attached (attach the model again to train MTP)", "a call after remove() (these hooks were removed)")
         return self._hooks
 
     @property
@@ -133,21 +133,22 @@ class MTPHooks:
         return self.options.chunk_size
 
     def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> MicroBatchTargets:
-        """Make the next forward a training micro-batch with these ``[b, s]`` targets.
+        """``with hooks.micro_batch(labels, loss_mask): model(...)``: the training forward in the
+        block trains MTP on these ``[b, s]`` targets.
 
-        Takes effect when called: the next forward of the model from this thread uses them.
-        ``with hooks.micro_batch(labels, loss_mask): model(...)`` scopes them to the block (one
-        forward inside it; unused targets are dropped on exit, also by exception); a plain call
-        arms them for the next forward, which consumes them. Arming again before a forward used
-        the first targets raises.
+        The block owns them: its one grad-enabled forward of this model from this thread trains on
+        them (a second raises), grad-disabled forwards in it are inference (with
+        ``output="logprobs"`` they score the labels) and never use them up, and they are dropped on
+        exit, also by exception. Why only ``with``: targets armed by a plain call would outlive a
+        step that failed before its forward and silently train a later batch, or be taken by an
+        inference forward. A plain call therefore trains nothing, and the next forward or
+        ``micro_batch`` raises ``MTPHooksStateError``; pass ``labels=`` to the model instead.
 
         ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
-        them. The forward trains MTP only if gradients are enabled; otherwise it is an inference
-        micro-batch.
+        them. Validated when called (``MTPHooksError``).
 
-        One thread at a time: while targets are armed or a forward is in flight, a
-        ``micro_batch`` or forward from another thread raises ``MTPHooksError`` (the hooks swap
-        attributes of the shared model for the length of a forward).
+        One thread at a time: another thread's forward while one is in flight raises
+        ``MTPHooksStateError``; it never sees this thread's targets.
         """
         return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask))
 
@@ -158,15 +159,20 @@ class MTPHooks:
         ``mtp_k/tokens == 0`` and no ratios. Local to this rank (identical across TP ranks). Empty
         if nothing was trained. Reading syncs with the device once."""
         hooks = self._live("metrics")
-        hooks.recover_interrupted()
+        hooks.recover_abandoned()
         return hooks.metrics.read(reset)
 
     def remove(self) -> None:
-        """Remove every hook and restore every swapped attribute. Calling it twice is harmless."""
+        """Remove every hook; the model is stock again. Calling it twice is harmless.
+
+        Raises ``MTPHooksStateError`` while a forward of the model is running (on any thread).
+        """
+        if self._removed:
+            return
+        self._hooks.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._hooks.close()
         self._removed = True
         model = self._hooks.alive_model
         if model is not None and model.__dict__.get(_STATE_KEY) is self:
@@ -322,5 +328,10 @@ def attached(model: nn.Module, **options: Any) -> Iterator[MTPHooks]:
 
 
 def hooks_of(model: nn.Module) -> Optional[MTPHooks]:
-    """The ``MTPHooks`` attached to ``model`` (or the language model inside it), or ``None``."""
-    return _find_language_model(model).__dict__.get(_STATE_KEY)
+    """The ``MTPHooks`` attached to ``model`` (or the language model inside it), or ``None``
+    (also for a module that holds no mcore language model)."""
+    try:
+        language_model = _find_language_model(model)
+    except MTPHooksError:
+        return None
+    return language_model.__dict__.get(_STATE_KEY)

@@ -1,15 +1,19 @@
-"""wrapt proxies handed to mcore in place of the real objects, for the length of one forward.
+"""What the hooks hand mcore in place of the real objects, for a short span of one forward.
 
-* ``ConfigView`` reads ``mtp_num_layers`` as ``None`` and forwards everything else (reads and
-  writes) to the real ``TransformerConfig``. Installed on the language model only: its
-  submodules keep their own reference to the real config.
-* ``DetachedEmbedding`` calls the real embedding module and detaches what it returns, so the
-  MTP layers learn from the next-token embeddings without sending gradient into them.
+* ``config_view(config, live)``: an instance of the config's own class (a cached subclass) that
+  shares the real config's ``__dict__`` and overrides only ``mtp_num_layers``, which reads
+  ``None`` while ``live()`` says the forward that installed it is running, so stock mcore's own
+  MTP loss stays off. Everything else is the real config: ``isinstance``, ``dataclasses.*``,
+  every read and write (writes land in the shared ``__dict__``, i.e. on the real config);
+  ``copy``, ``deepcopy`` and ``pickle`` produce the real config's class with its real values.
+* ``DetachedEmbedding`` (wrapt) calls the real embedding module and detaches what it returns, so
+  the MTP layers learn from the next-token embeddings without sending gradient into them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Callable
 
 import wrapt
 from torch import Tensor
@@ -17,19 +21,51 @@ from torch import Tensor
 # wrapt >= 2 names the attribute-forwarding proxy ``BaseObjectProxy``; 1.x calls it ``ObjectProxy``.
 _ObjectProxy: Any = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
 
+_VIEW_CLASSES: dict[type, type] = {}
 
-class ConfigView(_ObjectProxy):  # type: ignore[misc]
-    """A ``TransformerConfig`` that reports no MTP layers, so mcore's own MTP loss stays off."""
 
-    @property
-    def mtp_num_layers(self) -> None:
-        return None
+def _view_class(cls: type) -> type:
+    """The per-config-class view subclass (built once per class)."""
+    view = _VIEW_CLASSES.get(cls)
+    if view is not None:
+        return view
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        raise TypeError("ConfigView is a per-forward view of a TransformerConfig; copy the config itself")
+    def mtp_num_layers(self: Any) -> Any:
+        if self._mtp_hooks_live():
+            return None
+        return self.__dict__.get("mtp_num_layers")
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise TypeError("ConfigView is a per-forward view of a TransformerConfig; copy the config itself")
+    def set_mtp_num_layers(self: Any, value: Any) -> None:
+        self.__dict__["mtp_num_layers"] = value
+
+    namespace = {
+        "__slots__": ("_mtp_hooks_real", "_mtp_hooks_live"),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "mtp_num_layers": property(mtp_num_layers, set_mtp_num_layers),
+        # ``dataclasses.replace`` builds ``obj.__class__(...)``: the real class.
+        "__class__": property(lambda self: cls),
+        "__copy__": lambda self: copy.copy(self._mtp_hooks_real),
+        "__deepcopy__": lambda self, memo: copy.deepcopy(self._mtp_hooks_real, memo),
+        "__reduce_ex__": lambda self, protocol: self._mtp_hooks_real.__reduce_ex__(protocol),
+    }
+    view = type(cls.__name__, (cls,), namespace)
+    _VIEW_CLASSES[cls] = view
+    return view
+
+
+def config_view(config: Any, live: Callable[[], bool]) -> Any:
+    """``config`` seen with ``mtp_num_layers = None`` while ``live()`` is true (module docstring)."""
+    view = object.__new__(_view_class(type(config)))
+    object.__setattr__(view, "__dict__", config.__dict__)
+    object.__setattr__(view, "_mtp_hooks_real", config)
+    object.__setattr__(view, "_mtp_hooks_live", live)
+    return view
+
+
+def is_config_view(value: Any) -> bool:
+    return type(value) in _VIEW_CLASSES.values()
 
 
 class DetachedEmbedding(_ObjectProxy):  # type: ignore[misc]

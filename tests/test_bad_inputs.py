@@ -145,8 +145,7 @@ def test_attach_rejects_an_output_layer_with_bias(model: nn.Module) -> None:
 
 def test_hooks_of_plain_models(model: nn.Module) -> None:
     assert mtp_hooks.hooks_of(model) is None
-    with pytest.raises(mtp_hooks.MTPHooksError, match=names("model")):
-        mtp_hooks.hooks_of(nn.Linear(2, 2))
+    assert mtp_hooks.hooks_of(nn.Linear(2, 2)) is None
 
 
 def test_errors_are_value_errors() -> None:
@@ -342,12 +341,12 @@ def test_nested_forward_of_the_same_model_is_refused(model: nn.Module, batch: Ba
     def reenter(*_: Any) -> None:
         try:
             model(*batch.model_args)
-        except mtp_hooks.MTPHooksError as error:
+        except mtp_hooks.MTPHooksStateError as error:
             inner_errors.append(error)
             raise
 
     handle = model.decoder.register_forward_pre_hook(reenter)
-    with pytest.raises(mtp_hooks.MTPHooksError, match="nested"):
+    with pytest.raises(mtp_hooks.MTPHooksStateError, match="nested"):
         with hooks.micro_batch(batch.labels, batch.loss_mask):
             model(*batch.model_args)
     handle.remove()

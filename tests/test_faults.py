@@ -326,7 +326,7 @@ def test_raising_pre_hook_registered_before_attach_keeps_nesting_guard() -> None
         model(*batch.model_args)
 
     handle = model.decoder.register_forward_hook(nested)
-    with pytest.raises(mtp_hooks.MTPHooksError, match="nested"):
+    with pytest.raises(mtp_hooks.MTPHooksStateError, match="nested"):
         model(*batch.model_args)  # an inference forward whose decoder runs the model again
     handle.remove()
     assert model.config is config and type(model.config) is TransformerConfig

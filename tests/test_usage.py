@@ -21,40 +21,27 @@ VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)
 
 
-def test_micro_batch_without_with_trains_the_next_forward_like_stock() -> None:
-    stock, hooked = SHAPE.build(), SHAPE.build()
-    hooks = mtp_hooks.attach(hooked)
-    batch = make_batch(VOCAB, seed=1)
-    stock_train_step(stock, batch)
-    hooks.micro_batch(batch.labels, batch.loss_mask)  # armed when called
-    logits = hooked(*batch.model_args)
-    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
-    assert_same_grads(hooked, stock)
-    assert hooks.metrics()["mtp_2/tokens"] > 0
-
-
-def test_micro_batch_without_with_is_consumed_by_its_forward() -> None:
+def test_micro_batch_without_with_trains_nothing_and_the_next_forward_says_so() -> None:
+    """A plain call would let targets outlive a failed step and train a later batch: it trains nothing."""
     model = SHAPE.build()
     hooks = mtp_hooks.attach(model)
     batch = make_batch(VOCAB, seed=2)
-    hooks.micro_batch(batch.labels, batch.loss_mask)
-    model(*batch.model_args).sum().backward()
-    hooks.metrics()
-    model.zero_grad()
-    model(*batch.model_args).sum().backward()  # no targets armed: inference, MTP untouched
+    hooks.micro_batch(batch.labels, batch.loss_mask)  # the step fails here, before its forward
+    with pytest.raises(mtp_hooks.MTPHooksStateError, match="without `with`"):
+        model(*batch.model_args)
+    model(*make_batch(VOCAB, seed=5).model_args).sum().backward()  # a later batch: inference
     assert hooks.metrics() == {}
     assert all(p.grad is None or not p.grad.any() for name, p in model.named_parameters() if name.startswith("mtp."))
 
 
-def test_arming_twice_before_a_forward_is_refused() -> None:
+def test_micro_batch_without_with_then_another_micro_batch_is_refused() -> None:
     model = SHAPE.build()
     hooks = mtp_hooks.attach(model)
     batch = make_batch(VOCAB, seed=3)
     hooks.micro_batch(batch.labels, batch.loss_mask)
-    with pytest.raises(mtp_hooks.MTPHooksError, match="not used by any forward"):
+    with pytest.raises(mtp_hooks.MTPHooksStateError, match="without `with`"):
         hooks.micro_batch(batch.labels, batch.loss_mask)
-    logits = model(*batch.model_args)  # the first targets are still armed and train
-    logits.sum().backward()
+    hooked_train_step(model, hooks, batch)  # the refusal left nothing behind
     assert hooks.metrics()["mtp_1/tokens"] > 0
 
 
@@ -74,7 +61,7 @@ def test_every_method_of_removed_hooks_raises_except_remove() -> None:
     batch = make_batch(VOCAB, seed=5)
     hooks.remove()
     for call in (lambda: hooks.micro_batch(batch.labels, batch.loss_mask), hooks.metrics, lambda: hooks.model):
-        with pytest.raises(mtp_hooks.MTPHooksError, match="these hooks were removed"):
+        with pytest.raises(mtp_hooks.MTPHooksStateError, match="these hooks were removed"):
             call()
     hooks.remove()  # harmless twice
     assert "removed" in repr(hooks)
@@ -137,9 +124,9 @@ def test_targets_on_another_device_than_inputs_are_refused_naming_both() -> None
     batch = make_batch(VOCAB, seed=9)
     with pytest.raises(mtp_hooks.MTPHooksError, match=r"labels: bad value[\s\S]*device of input_ids \(cpu\)[\s\S]*on meta"):
         model(*batch.model_args, labels=batch.labels.to("meta"))
+    with pytest.raises(mtp_hooks.MTPHooksError, match=r"labels: bad value[\s\S]*device of input_ids \(cpu\)[\s\S]*on meta"):
+        model(*batch.model_args, labels=batch.labels.to("meta"), loss_mask=batch.loss_mask)  # labels named, not the mask
     with pytest.raises(mtp_hooks.MTPHooksError, match=r"loss_mask: bad value[\s\S]*device of labels \(cpu\)[\s\S]*on meta"):
         hooks.micro_batch(batch.labels, batch.loss_mask.to("meta"))
-    with pytest.raises(mtp_hooks.MTPHooksError, match=r"dtype of input_ids \(torch.int64\)[\s\S]*torch.int32"):
-        model(*batch.model_args, labels=batch.labels.int())
     hooked_train_step(model, hooks, batch)  # nothing left behind
     assert hooks.metrics()["mtp_1/tokens"] > 0

@@ -1,0 +1,94 @@
+"""The state of one forward, and the short window in which the model is not stock.
+
+A forward changes the language model only inside one *window* of mcore's own post-processing:
+from the end of the decoder (inference: ``mtp_process = False``, so the MTP block does not run)
+or of the MTP block (training) to the output layer's first pre-hook on the main head's call,
+where an output-layer pre-hook that the hooks keep first closes it. Two attributes change there,
+written straight into the model's ``__dict__`` (what ``nn.Module.__setattr__`` does for plain
+values): ``config`` becomes a ``proxies.config_view`` (``mtp_num_layers`` reads ``None``: stock's
+own MTP loss stays off) and, where needed, ``mtp_process`` becomes ``False``. Closing writes back
+the values recorded at ``attach``. No user hook on the model's modules runs inside the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from mtp_hooks import heads
+from mtp_hooks.logprobs import TokenLogProbs
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Targets of one training micro-batch, as the user gave them."""
+
+    labels: Tensor
+    loss_mask: Optional[Tensor]
+    used: bool = False
+    entered: bool = False  # ``with`` entered: the only way targets reach a forward
+    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
+
+
+@dataclasses.dataclass
+class Originals:
+    """The attributes a window changes, as they were at ``attach`` (and the view to install)."""
+
+    config: Any
+    mtp_process: bool
+    view: Any
+
+
+@dataclasses.dataclass
+class ForwardState:
+    """State of the forward in flight; lives from the model's pre-hook to its post-hook."""
+
+    model: nn.Module
+    kwargs: dict[str, Any]  # the call's kwargs dict, to tell this call's post-hook from a nested one's
+    thread: int
+    exception: Optional[BaseException]  # ``sys.exc_info()[1]`` when the forward started
+    targets: Optional[MicroBatch] = None
+    packed_seq_params: Any = None
+    input_ids: Any = None
+    recompute: bool = False  # a backward-time recompute of a completed training forward
+    window: Optional[Originals] = None  # set while the model is not stock
+    main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
+    block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
+    mtp_layer_calls: int = 0
+    attached: bool = False
+    loss_path: Optional[str] = None
+    in_own_head_call: bool = False
+    metrics: list[heads.DepthSums] = dataclasses.field(default_factory=list)
+    output_weight: Optional[Tensor] = None  # see ``ForwardHooks._open_inference_window``
+    head_labels: Optional[Tensor] = None
+    head_output: Optional[TokenLogProbs] = None
+
+    @property
+    def train(self) -> bool:
+        return self.targets is not None
+
+    def open_window(self, originals: Originals, mtp_process_off: bool) -> None:
+        attributes = self.model.__dict__
+        attributes["config"] = originals.view
+        if mtp_process_off:
+            attributes["mtp_process"] = False
+        self.window = originals
+
+    def close_window(self) -> bool:
+        """Put back what the window changed; ``True`` if it was open."""
+        originals = self.window
+        if originals is None:
+            return False
+        attributes = self.model.__dict__
+        attributes["config"] = originals.config
+        attributes["mtp_process"] = originals.mtp_process
+        self.window = None
+        return True
+
+    def failed(self, output: Any) -> bool:
+        """Whether the forward raised: no output, or torch calls the hook while handling an exception."""
+        return output is None or sys.exc_info()[1] is not self.exception
