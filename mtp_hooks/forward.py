@@ -1,4 +1,6 @@
-"""The hooks of one language model, in the order a forward meets them.
+"""The lifecycle of one forward: the model's own pre- and post-hook, its lock, its targets.
+
+A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
 
 1. model pre-hook (``on_model_pre``): takes the model's lock (one forward at a time, one thread),
    takes ``labels`` / ``loss_mask`` out of the call (or the ``micro_batch`` targets) so mcore
@@ -28,7 +30,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from mtp_hooks import _mcore, heads
+from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
 from mtp_hooks.copies import CopyableHooks
@@ -36,14 +38,12 @@ from mtp_hooks.errors import bad_argument, bad_state
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
-from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
+from mtp_hooks.proxies import config_view
 from mtp_hooks.state import ForwardState, MicroBatch, Originals
-from mtp_hooks.targets import packed_layout
-
-HookResult = Optional[tuple[tuple[Any, ...], dict[str, Any]]]
+from mtp_hooks.submodule_hooks import SubmoduleHooks
 
 
-class ForwardHooks(CopyableHooks):
+class ForwardHooks(SubmoduleHooks, CopyableHooks):
     """The hooks of one language model and the state they share between and within forwards."""
 
     def __init__(self, model: nn.Module, options: Options) -> None:
@@ -216,129 +216,6 @@ class ForwardHooks(CopyableHooks):
         self.recover_abandoned(inside_forward=True)
         if not self._lock.acquire(blocking=False):
             raise other_thread("model", "a forward")
-
-    def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        state = self.forward
-        if state is None or state.train or state.thread != threading.get_ident():
-            return None
-        model = state.model
-        if model.mtp_process:
-            tied = getattr(model, "share_embeddings_and_output_weights", False)
-            weight = model.shared_embedding_or_output_weight() if tied else None
-            state.open_window(self._current_originals(model), mtp_process_off=True)
-            if tied and model.shared_embedding_or_output_weight() is not weight:
-                # A later pipeline stage with tied embeddings keeps a copy of the word embeddings
-                # for MTP and serves it as the output weight only while ``mtp_process`` is set;
-                # without it mcore would hand its untrained ``output_layer.weight`` to the head.
-                state.output_weight = weight
-        return None
-
-    def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        state = self.forward
-        if state is not None and state.train and state.thread == threading.get_ident():
-            state.block_output = output
-            state.open_window(self._current_originals(state.model), mtp_process_off=True)
-        return None
-
-    def _current_originals(self, model: nn.Module) -> Originals:
-        """The attach-time originals; a config the user replaced since (not a view) is adopted."""
-        config = model.__dict__.get("config")
-        originals = self._originals
-        if config is not originals.config and not is_config_view(config):
-            originals = self._originals = Originals(config, originals.mtp_process, config_view(config, self._view_live))
-        return originals
-
-    def _view_live(self) -> bool:
-        """Whether the config view should read ``mtp_num_layers = None`` now: only on the thread of
-        a forward that is still running. A read after an interrupt abandoned it restores stock."""
-        state = self.forward
-        if state is None or state.window is None or state.thread != threading.get_ident():
-            return False
-        if forwards_on_stack(state.model, state.thread, 1):
-            return True
-        self.recover_abandoned()
-        return False
-
-    def on_output_layer_first(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
-        state = self.forward
-        if state is not None and state.thread == threading.get_ident() and state.close_window():
-            state.main_pending = True
-        return None
-
-    def on_output_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
-        state = self.forward
-        if state is None or state.in_own_head_call or state.thread != threading.get_ident():
-            return None
-        hidden = args[0]
-        if state.train:
-            if state.attached or hidden is not state.block_output:
-                return None  # someone else's call of the output layer (a logit lens): stock's
-        elif not state.main_pending:
-            return None
-        state.main_pending = False
-        if state.output_weight is not None:  # inference forward, see ``on_decoder_post``
-            kwargs["weight"] = state.output_weight
-        weight = kwargs.get("weight")
-        if weight is None:
-            weight = layer.weight
-        if state.train:
-            assert state.targets is not None
-            model = state.model
-            detach = self.options.detach_head or _mcore.config_detaches_heads(model.config)
-            hidden, state.metrics, state.loss_path = heads.attach_mtp_losses(
-                self.options,
-                model,
-                layer,
-                hidden,
-                self.depth,
-                weight.detach() if detach else weight,
-                state.targets.labels,
-                state.targets.loss_mask,
-                state.packed_seq_params,
-                lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
-            )
-            state.attached = True
-        elif state.head_labels is None:
-            return (args, kwargs) if state.output_weight is not None else None
-        if state.head_labels is not None and state.head_output is None:
-            state.head_output = heads.head_logprobs(self.options, layer, hidden, weight, state.head_labels)
-            hidden = hidden[:1]  # mcore's own head call still runs, on one position; its logits are dropped
-        return (hidden, *args[1:]), kwargs
-
-    @staticmethod
-    def _own_head_call(layer: nn.Module, state: ForwardState, hidden: Tensor, weight: Tensor) -> Tensor:
-        state.in_own_head_call = True
-        try:
-            logits, _bias = layer(hidden, weight=weight, runtime_gather_output=False)
-        finally:
-            state.in_own_head_call = False
-        return logits
-
-    def on_mtp_block_pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
-        """Give the MTP layers the padded layout of a packed batch, so their shifted input ids stay
-        within each sequence (mcore rolls them by ``cu_seqlens_q``; see ``targets.packed_layout``)."""
-        packed = kwargs.get("packed_seq_params")
-        if self.forward is None or packed is None:
-            return None
-        layout = packed_layout(packed)
-        if layout is packed:
-            return None
-        kwargs["packed_seq_params"] = layout
-        return args, kwargs
-
-    def on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
-        state = self.forward
-        if state is None or not state.train:
-            return None
-        if kwargs.get("embedding") is not None:
-            kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
-        if state.mtp_layer_calls == 0 or self.options.detach_between_depths:
-            # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
-            # stays attached). Later depths, with detach_between_depths: the previous depth's output.
-            # requires_grad keeps full activation recompute working on a detached input.
-            kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
-        state.mtp_layer_calls += 1
-        return args, kwargs
 
     def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         state = self.forward

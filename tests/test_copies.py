@@ -20,7 +20,7 @@ from torch import nn
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.mcore_cpu import TinyGPT, assert_same_grads, hooked_train_step, make_batch, stock_train_step
-from tests.twins import assert_same_mtp_losses, hooked_mtp_losses
+from tests.twins import assert_same_mtp_losses
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
