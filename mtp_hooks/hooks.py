@@ -1,7 +1,7 @@
 """The public handle: ``attach`` installs the hooks on a language model, ``MTPHooks`` controls them.
 
-No class or instance method is replaced: the behaviour lives in torch hooks (``forward``) and
-wrapt proxies (``proxies``) that exist only while attached. All per-model state is one
+No class or instance method is replaced: the behaviour lives in torch hooks (``forward``,
+``submodule_hooks``) and the proxies of ``proxies`` that exist only inside one forward. All per-model state is one
 ``ForwardHooks`` object held by the handle, which is stored under ``_mtp_hooks`` in the language
 model's ``__dict__`` and found again by ``hooks_of``.
 
@@ -21,33 +21,12 @@ from typing import Any, Iterator, Optional
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from megatron.core.models.common.language_module.language_module import LanguageModule
-
-from mtp_hooks import _mcore
-from mtp_hooks.errors import MTPHooksError, bad_argument, bad_state
+from mtp_hooks.errors import MTPHooksError, bad_state
+from mtp_hooks.models import _STATE_KEY, check_model, find_language_model
 from mtp_hooks.checks import Validate
 from mtp_hooks.forward import ForwardHooks
 from mtp_hooks.state import MicroBatch
 from mtp_hooks.options import LossImpl, Objective, Options, Output
-
-_STATE_KEY = "_mtp_hooks"
-
-
-def _find_language_model(model: nn.Module) -> nn.Module:
-    """The mcore language model inside ``model`` (itself, ``.module`` chains, ``.language_model``)."""
-    current: Any = model
-    for _ in range(16):
-        if isinstance(current, LanguageModule) and hasattr(current, "mtp_process"):
-            return current
-        current = getattr(current, "module", None) or getattr(current, "language_model", None)
-        if current is None:
-            break
-    raise bad_argument(
-        "model",
-        "an mcore GPTModel, a wrapper exposing one as .module (DDP, Float16Module), or a model with .language_model",
-        type(model).__name__,
-    )
-
 
 class MicroBatchTargets:
     """What ``MTPHooks.micro_batch`` returns: a context manager whose block owns the targets.
@@ -270,8 +249,8 @@ def attach(
     One thread at a time per model: a ``micro_batch`` or forward from a second thread while one
     is open or in flight raises ``MTPHooksError``. Separate models may run in separate threads.
     """
-    language_model = _find_language_model(model)
-    _check_model(language_model)
+    language_model = find_language_model(model)
+    check_model(language_model)
     options = Options(
         detach_encoder=detach_encoder,
         detach_head=detach_head,
@@ -294,29 +273,6 @@ def attach(
     return hooks
 
 
-def _check_model(language_model: nn.Module) -> None:
-    """Refuse a model the hooks cannot serve, before anything is registered."""
-    config = language_model.config
-    if not getattr(config, "mtp_num_layers", None):
-        raise bad_argument("model", "a model with MTP layers (config.mtp_num_layers >= 1)", f"mtp_num_layers={config.mtp_num_layers!r}")
-    unsupported = _mcore.unsupported_config(config)
-    if unsupported is not None:
-        raise MTPHooksError(f"model: mtp_hooks cannot reproduce stock MTP with {unsupported}")
-    if _STATE_KEY in language_model.__dict__:
-        raise bad_argument(
-            "model",
-            "a model without mtp_hooks attached (remove() the first hooks before attaching again)",
-            f"a {type(language_model).__name__} with mtp_hooks already attached",
-        )
-    if bool(language_model.post_process) != bool(language_model.mtp_process):
-        # A custom pipeline_model_parallel_layout can put the MTP layers on an earlier stage
-        # ("mtp_standalone"): their output then travels to the output layer's stage over p2p.
-        raise MTPHooksError(
-            "model: the MTP layers sit on another pipeline stage than the output layer (custom pipeline layout); "
-            "mtp_hooks needs them on the same stage, the last one (the default without a layout)"
-        )
-
-
 @contextlib.contextmanager
 def attached(model: nn.Module, **options: Any) -> Iterator[MTPHooks]:
     """``attach`` for the length of a ``with`` block; the hooks are removed on exit."""
@@ -331,7 +287,7 @@ def hooks_of(model: nn.Module) -> Optional[MTPHooks]:
     """The ``MTPHooks`` attached to ``model`` (or the language model inside it), or ``None``
     (also for a module that holds no mcore language model)."""
     try:
-        language_model = _find_language_model(model)
+        language_model = find_language_model(model)
     except MTPHooksError:
         return None
     return language_model.__dict__.get(_STATE_KEY)
