@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -29,6 +30,22 @@ def bad_argument(name: str, expected: str, received: Any) -> MTPHooksError:
 def bad_state(call: str, expected: str, received: str) -> MTPHooksStateError:
     """Build an ``MTPHooksStateError`` for ``call``."""
     return MTPHooksStateError(f"{call}: refused\n  expected: {expected}\n  received: {received}")
+
+
+def other_thread(name: str, what: str) -> MTPHooksStateError:
+    return bad_state(
+        name,
+        "one thread at a time on these hooks (attach one model per thread, or serialise the calls)",
+        f"{what} from thread {threading.get_ident()} while another thread has a forward in flight",
+    )
+
+
+def not_entered() -> MTPHooksStateError:
+    return bad_state(
+        "micro_batch",
+        "`with hooks.micro_batch(labels, loss_mask):` around the training forward (the block bounds the targets)",
+        "micro_batch(...) called without `with`; its targets were dropped and trained nothing",
+    )
 
 
 def describe(value: Any) -> str:

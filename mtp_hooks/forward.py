@@ -14,8 +14,9 @@ A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
 5. output-layer pre-hook kept first (``on_output_layer_first``): closes the window, so the model is
    stock again before any user hook; the main pre-hook (``on_output_layer_pre``) computes the MTP
    losses on the call that carries the block's output (``heads``) and the log-prob output.
-6. model forward hook (``on_model_post``, ``always_call``, kept last): closes the window if still
-   open, counts the forward's metrics only if the forward and every hook before it completed,
+6. model forward hooks (``always_call``): ``on_model_post``, in registration order, closes the
+   window if a fault left it open and returns the log-prob output; ``on_model_done``, kept last,
+   counts the forward's metrics only if the forward and every hook before it completed, and
    releases the lock.
 Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks: ``copies``.
 """
@@ -34,7 +35,7 @@ from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
 from mtp_hooks.copies import CopyableHooks
-from mtp_hooks.errors import bad_argument, bad_state
+from mtp_hooks.errors import bad_argument, bad_state, not_entered, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
@@ -82,8 +83,9 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         _mcore.check_call_conventions(model, self.options.detach_encoder)
         pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
         post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
-        handles = [pre, post]
-        self._last["model"] = post.id
+        done = model.register_forward_hook(self.on_model_done, with_kwargs=True, always_call=True)
+        handles = [pre, post, done]
+        self._last["model"] = done.id
         if model.post_process:
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True))
             self._last["output_first"] = handles[-1].id
@@ -217,15 +219,31 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         if not self._lock.acquire(blocking=False):
             raise other_thread("model", "a forward")
 
-    def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    def _own_call(self, model: nn.Module, kwargs: dict[str, Any]) -> Optional[ForwardState]:
+        """The state of the forward this post-hook call belongs to, or ``None`` for a call our
+        pre-hook refused (another thread, nested) or never saw (an earlier pre-hook raised)."""
         state = self.forward
-        if state is None or state.thread != threading.get_ident():
-            return None  # refused in its pre-hook (another thread), or an earlier pre-hook raised
-        if self._refused:
-            self._refused -= 1
-            return None  # a nested call that our pre-hook refused
+        if state is None or state.thread != threading.get_ident() or self._refused:
+            return None
         if kwargs is not state.kwargs and forwards_on_stack(model, state.thread, 2) > 1:
-            return None  # a nested call whose earlier pre-hook raised before ours ran
+            return None
+        return state
+
+    def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """In registration order: the model is stock for later hooks, which see what it returns."""
+        state = self._own_call(model, kwargs)
+        if state is None:
+            return None
+        state.close_window()
+        return state.head_output if output is not None else None
+
+    def on_model_done(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """Kept last: counts the forward only if it and every hook before this one completed."""
+        state = self._own_call(model, kwargs)
+        if state is None:
+            if self._refused and self.forward is not None and self.forward.thread == threading.get_ident():
+                self._refused -= 1  # the post-hook of a nested call our pre-hook refused
+            return None
         self.forward = None
         state.close_window()
         self._lock.release()
@@ -238,7 +256,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             )
         if state.train and not state.recompute:
             self._count(model, state)
-        return state.head_output
+        return None
 
     def _count(self, model: nn.Module, state: ForwardState) -> None:
         """Add a completed training forward's metrics and remember it for checkpoint recomputes."""
@@ -284,18 +302,3 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         self.recover_abandoned()
         self.pending = None
 
-
-def other_thread(name: str, what: str) -> Exception:
-    return bad_state(
-        name,
-        "one thread at a time on these hooks (attach one model per thread, or serialise the calls)",
-        f"{what} from thread {threading.get_ident()} while another thread has a forward in flight",
-    )
-
-
-def not_entered() -> Exception:
-    return bad_state(
-        "micro_batch",
-        "`with hooks.micro_batch(labels, loss_mask):` around the training forward (the block bounds the targets)",
-        "micro_batch(...) called without `with`; its targets were dropped and trained nothing",
-    )
