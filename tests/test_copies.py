@@ -29,13 +29,24 @@ SHAPE = TinyGPT(vocab_size=VOCAB)
 
 
 def process_groups(model: nn.Module) -> list[Any]:
-    """The ``ProcessGroup`` objects a model holds (not copyable, in stock mcore too: copies share them)."""
+    """The ``ProcessGroup`` objects reachable from a model (not copyable, in stock mcore too: copies
+    share them), found by walking attributes, dicts and sequences (tensors are not entered)."""
     groups: dict[int, Any] = {}
-    for module in model.modules():
-        collection = getattr(module, "pg_collection", None)
-        for value in list(vars(module).values()) + list(getattr(collection, "__dict__", {}).values()):
-            if isinstance(value, torch.distributed.ProcessGroup):
-                groups[id(value)] = value
+    seen: set[int] = set()
+    stack: list[Any] = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.distributed.ProcessGroup):
+            groups[id(obj)] = obj
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        stack.extend(getattr(obj, "__dict__", {}).values())
     return list(groups.values())
 
 

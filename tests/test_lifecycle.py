@@ -273,21 +273,23 @@ def test_a_logit_lens_calling_the_output_layer_inside_a_training_forward_works_a
 
 
 def _offload_marks(model: nn.Module) -> set[str]:
-    return {name for name, p in model.named_parameters() if getattr(p, "offloading_activation", True) is False}
+    return {name for name, p in model.named_parameters() if getattr(p, "_marked_not_offloadable", False)}
 
 
 @pytest.fixture
 def offloading_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fine-grained offloading's chunk handler makes CUDA streams; on CPU (test-only) the handler is
-    a no-op and the marks are set exactly as its ``mark_not_offloadable`` sets them. The layers'
-    offloading needs CUDA too, so the forwards stop right after the marking (``Marked``)."""
-    if torch.cuda.is_available():
-        return
+    """Fine-grained offloading's chunk handler makes CUDA streams, so (test-only) the handler is a
+    no-op and the release's marking call (``mark_not_offloadable`` up to 0.18,
+    ``mark_not_offload`` from 0.19) records each marked tensor. The layers' offloading needs CUDA
+    too, so the forwards stop right after the marking (``Marked``)."""
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as offload
 
     interface = offload.FineGrainedActivationOffloadingInterface
     monkeypatch.setattr(interface, "init_chunk_handler", staticmethod(lambda *a, **k: None))
-    monkeypatch.setattr(interface, "mark_not_offloadable", staticmethod(lambda t: setattr(t, "offloading_activation", False) if t is not None else None))
+    marking = [name for name in ("mark_not_offloadable", "mark_not_offload") if hasattr(interface, name)]
+    assert marking, "this release marks parameters some other way"
+    for name in marking:
+        monkeypatch.setattr(interface, name, staticmethod(lambda t: setattr(t, "_marked_not_offloadable", True) if t is not None else None))
 
 
 @pytest.mark.skipif(
