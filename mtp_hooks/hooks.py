@@ -54,7 +54,7 @@ class MTPHooks:
 
     Use ``micro_batch`` to give the labels of a training micro-batch, ``metrics`` to read the
     per-depth MTP loss and acceptance, and ``remove`` (or ``with``) to restore stock mcore.
-    After ``remove`` every method but ``remove`` raises ``MTPHooksError``.
+    After ``remove`` every method but ``remove`` raises ``MTPHooksStateError``.
     """
 
     def __init__(self, model: nn.Module, options: Options) -> None:
@@ -235,7 +235,9 @@ def attach(
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
 
     Raises:
-        MTPHooksError: for a model without MTP layers, a second attach, or bad arguments.
+        MTPHooksError: for a model without MTP layers, a second attach, bad arguments, or a
+            megatron-core release that calls the output layer, MTP block or MTP layers with other
+            keyword names than the hooks rely on (``_mcore.check_call_conventions``).
 
     Example::
 
@@ -243,11 +245,15 @@ def attach(
         with hooks.micro_batch(labels=labels, loss_mask=loss_mask):
             logits = model(input_ids, position_ids, attention_mask)   # [b, s, V/tp]
 
-    If a forward raises, every swapped attribute is restored by an ``always_call`` hook, the
-    targets of that forward are dropped and its metrics are not counted.
+    The model is stock outside the hooks' forwards, and every user hook inside one sees it stock
+    (the two attributes a forward changes are changed only inside mcore's post-processing). If a
+    forward raises, or a model forward hook after the hooks' own raises, that forward's targets
+    are dropped with their ``micro_batch`` block and its metrics are not counted.
 
-    One thread at a time per model: a ``micro_batch`` or forward from a second thread while one
-    is open or in flight raises ``MTPHooksError``. Separate models may run in separate threads.
+    One forward at a time per model (a lock): a forward from a second thread while one is in
+    flight, or a ``micro_batch`` while another thread's is open, raises ``MTPHooksStateError``.
+    Separate models may run in separate threads. ``copy.deepcopy`` of the model gives a copy with
+    its own hooks.
     """
     language_model = find_language_model(model)
     check_model(language_model)
