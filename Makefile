@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ bridges-env: venv  ## build the mbridge overlays (and the matrix environments th
 
 test-bridges: venv  ## the bridge-built families side by side with stock, on every matrix release
 	$(PY) scripts/bridges.py --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
+
+# The same families as megatron-bridge 0.6.2 provides them (tests/test_megatron_bridge.py): Python 3.12,
+# megatron-core 0.19.2, .bridges/py312-mb (requirements/bridges-megatron.txt, transformers 5.12.1).
+test-megatron-bridge: venv  ## the bridge-built families through megatron-bridge providers (Python 3.12, mcore 0.19.2)
+	$(PY) scripts/bridges.py --suite megatron-bridge --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
 
 bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -9,13 +9,18 @@ Unlike ``make test`` this fails when a test skips: here a skip means mbridge or 
 missing, or a release cannot build a family, which is what the run is for. A requested release
 that cannot run (no Python 3.12 interpreter) fails too, unless ``--allow-skip``.
 
-Usage: ``python scripts/bridges.py [--versions 0.14.0,0.19.2] [--build-only] [--allow-skip] [-- PYTEST_ARGS...]``
+``--suite megatron-bridge`` runs ``tests/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
+(Python 3.12 only) on megatron-core 0.19.2, with ``.bridges/py312-mb`` from
+``requirements/bridges-megatron.txt`` (transformers 5.12.1).
+
+Usage: ``python scripts/bridges.py [--suite mbridge|megatron-bridge] [--versions 0.14.0,0.19.2] [--build-only] [--allow-skip] [-- PYTEST_ARGS...]``
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import subprocess
 import sys
@@ -29,31 +34,45 @@ from matrix import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, 
 from matrix import environment  # noqa: E402
 
 OUT = ROOT / "matrix-out" / "bridges"
-REQUIREMENTS = ROOT / "requirements" / "bridges.txt"
-TESTS = "tests/test_bridges.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    tests: str
+    requirements: Path
+    overlay: str  # folder under .bridges/, "{py}" the Python version without the dot
+    versions: tuple[str, ...]  # default releases
+
+
+SUITES = {
+    # mbridge 0.15.1 + transformers 4.57.1: every matrix release
+    "mbridge": Suite("tests/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
+    # megatron-bridge 0.6.2 + transformers 5.12.1: Python 3.12 only, run on the newest release
+    "megatron-bridge": Suite("tests/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
+}
 
 
 def log(message: str) -> None:
     print(f"[bridges] {message}", flush=True)
 
 
-def overlay(python: Path, python_version: str) -> Path:
-    """``.bridges/py311`` or ``.bridges/py312``: requirements/bridges.txt for that Python."""
-    return ensure_target(python, REQUIREMENTS, ROOT / ".bridges" / f"py{python_version.replace('.', '')}")
+def overlay(suite: Suite, python: Path, python_version: str) -> Path:
+    """``.bridges/<overlay>`` for that Python: the suite's requirements, installed ``--no-deps``."""
+    return ensure_target(python, suite.requirements, ROOT / ".bridges" / suite.overlay.format(py=python_version.replace(".", "")))
 
 
-def run_release(version: str, python: Path, bridges: Path, pytest_args: list[str]) -> tuple[bool, str]:
+def run_release(suite: Suite, version: str, python: Path, bridges: Path, pytest_args: list[str]) -> tuple[bool, str]:
     """Run the bridge tests on one release; ``(passed, summary line)``."""
     env = environment(ensure_mcore(python, version), bridges)
     _, _, mcore = describe_stack(python, env)
     if mcore != version:
         raise RuntimeError(f"expected megatron-core {version} first on the path, imported {mcore}")
-    command = [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", TESTS, *pytest_args]
+    command = [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", suite.tests, *pytest_args]
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     seconds = time.monotonic() - start
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{version}.log").write_text(result.stdout + result.stderr)
+    (OUT / f"{Path(suite.tests).stem}-{version}.log").write_text(result.stdout + result.stderr)
     counts = parse_counts(result.stdout)
     failed = counts.get("failed", 0) + counts.get("error", 0)
     ok = result.returncode == 0 and failed == 0 and counts.get("skipped", 0) == 0 and counts.get("passed", 0) > 0
@@ -71,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         split = argv.index("--")
         argv, pytest_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--versions", help="comma-separated megatron-core versions (default: every release of the matrix)")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="mbridge", help="which bridge (default mbridge)")
+    parser.add_argument("--versions", help="comma-separated megatron-core versions (default: every release of the matrix; 0.19.2 for megatron-bridge)")
     parser.add_argument("--python311", default=str(ROOT / ".venv" / "bin" / "python"), help="Python 3.11 of the base venv (make venv)")
     parser.add_argument("--python312", default=os.environ.get("PY312"), help="a Python 3.12 interpreter for 0.17.1 - 0.19.2")
     parser.add_argument("--build-only", action="store_true", help="build the overlays (and megatron-core folders), run no tests")
@@ -79,8 +99,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--allow-skip", action="store_true", help="exit 0 even if a requested release could not run")
     args = parser.parse_args(argv)
 
+    suite = SUITES[args.suite]
     known = {release.version: release for release in RELEASES}
-    wanted = args.versions.split(",") if args.versions else list(known)
+    wanted = args.versions.split(",") if args.versions else list(suite.versions)
     unknown = [version for version in wanted if version not in known]
     if unknown:
         parser.error(f"unknown versions {unknown}; known: {list(known)}")
@@ -103,15 +124,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             python = ensure_venv(ROOT / ".venv-py312", interpreter312, ROOT / "requirements" / "matrix-py312.txt")
         else:
             python = python311
-        bridges = overlay(python, release.python)
+        bridges = overlay(suite, python, release.python)
         ensure_mcore(python, version)
         runs[version] = (python, bridges)
     failed = False
     if not args.build_only:
         # The runs are mostly imports, one thread each: ``--jobs`` of them at a time.
-        log(f"{TESTS} on {', '.join(runs)} ({args.jobs} at a time)")
+        log(f"{suite.tests} on {', '.join(runs)} ({args.jobs} at a time)")
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {version: pool.submit(run_release, version, python, bridges, pytest_args) for version, (python, bridges) in runs.items()}
+            futures = {version: pool.submit(run_release, suite, version, python, bridges, pytest_args) for version, (python, bridges) in runs.items()}
             for version, future in futures.items():
                 ok, summary = future.result()
                 log(f"megatron-core {version}: " + ("pass: " if ok else "FAIL: ") + summary)
@@ -119,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 failed = failed or not ok
     rows = {version: rows[version] for version in wanted if version in rows}
     if rows:
-        print("\n| megatron-core | Python | tests/test_bridges.py |\n|---|---|---|")
+        print(f"\n| megatron-core | Python | {suite.tests} |\n|---|---|---|")
         for version, (python_version, result) in rows.items():
             print(f"| {version} | {python_version} | {result} |")
     if not_run and not args.allow_skip:

@@ -35,8 +35,11 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"mbridge\.")
 
 # mbridge and the transformers release it reads come from requirements/bridges.txt (make bridges-env).
 try:
-    import mbridge  # noqa: F401
     import transformers
+except ImportError:  # the families' configs need it; so does every bridge
+    transformers = None
+try:
+    import mbridge  # noqa: F401
 except ImportError as error:
     BRIDGES_MISSING: Optional[str] = (
         f"mbridge / transformers not importable ({error}); install requirements/bridges.txt (make bridges-env)"
@@ -45,6 +48,7 @@ else:
     BRIDGES_MISSING = None
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
 
 # What the bridges set for GPUs, replaced for a CPU run (names a release lacks are left out).
 CPU_OVERRIDES: dict[str, Any] = dict(
@@ -107,6 +111,7 @@ def _deepseek_v3(depth: Optional[int], vocab_size: int) -> Any:
         attention_bias=False,
         tie_word_embeddings=False,
         aux_loss_alpha=0.001,
+        architectures=["DeepseekV3ForCausalLM"],
         **extra,
     )
 
@@ -139,6 +144,7 @@ def _glm4_moe(depth: Optional[int], vocab_size: int) -> Any:
         rms_norm_eps=1e-5,
         rope_theta=1000000,
         tie_word_embeddings=False,
+        architectures=["Glm4MoeForCausalLM"],
         **extra,
     )
 
@@ -323,7 +329,7 @@ class BridgeModel:
             )
 
 
-def without_mtp_copy(model: torch.nn.Module, shape: BridgeModel) -> torch.nn.Module:
+def without_mtp_copy(model: torch.nn.Module, shape: Any) -> torch.nn.Module:
     """The same family built without MTP layers, holding ``model``'s decoder, embedding and head weights.
 
     The reference for what the MTP layers must not change: inference FLOPs, and with
@@ -336,3 +342,18 @@ def without_mtp_copy(model: torch.nn.Module, shape: BridgeModel) -> torch.nn.Mod
     if missing or result.unexpected_keys:
         raise AssertionError(f"without-MTP copy: missing {missing}, unexpected {result.unexpected_keys}")
     return twin
+
+
+def assert_routers_and_experts_trained(model: torch.nn.Module, family: str) -> None:
+    """Every MTP parameter, router and expert got a non-zero gradient (so the comparison is not vacuous)."""
+    trained = [name for name, p in model.named_parameters() if p.grad is not None and bool(p.grad.any())]
+    names = [name for name, _ in model.named_parameters()]
+    routers = [name for name in names if ".mlp.router." in name]
+    experts = [name for name in names if ".mlp.experts." in name]
+    if family in MOE_FAMILIES:
+        assert any(name.startswith("mtp.") for name in routers), "no router in the MTP layers"
+        assert routers and experts
+    else:
+        assert not routers and not experts
+    wanted = routers + experts + [name for name in names if name.startswith("mtp.")]
+    assert wanted and not [name for name in wanted if name not in trained], "parameters without gradient"

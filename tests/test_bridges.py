@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import mtp_hooks
-from tests.bridge_models import BRIDGES_MISSING, FAMILIES, BridgeModel, hf_config, make_bridge, without_mtp_copy
+from tests.bridge_models import BRIDGES_MISSING, FAMILIES, MOE_FAMILIES, BridgeModel, assert_routers_and_experts_trained
+from tests.bridge_models import hf_config, make_bridge, without_mtp_copy
 from tests.mcore_cpu import grads_of, make_batch, output_layer_calls
 from tests.mcore_moe import moe_mla_on_cpu, reset_moe_process_state
 from tests.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
@@ -37,7 +37,6 @@ pytestmark = [
 
 VOCAB = 64
 SEQ = 16
-MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
 # How a Transformer Engine spec fails without it: an undefined TE name (up to 0.16), a None class (0.17+).
 TRANSFORMER_ENGINE_MISSING = r"name 'TE\w+' is not defined|'NoneType' object is not callable"
 
@@ -55,21 +54,6 @@ def moe_on_cpu() -> Iterator[None]:
 
 def batches() -> list[Any]:
     return [make_batch(VOCAB, batch=2, seq=SEQ, mask=mask, seed=i) for i, mask in enumerate(("random", "ones"))]
-
-
-def assert_routers_and_experts_trained(model: nn.Module, family: str) -> None:
-    """Every MTP parameter, router and expert got a non-zero gradient (so the comparison is not vacuous)."""
-    trained = [name for name, p in model.named_parameters() if p.grad is not None and bool(p.grad.any())]
-    names = [name for name, _ in model.named_parameters()]
-    routers = [name for name in names if ".mlp.router." in name]
-    experts = [name for name in names if ".mlp.experts." in name]
-    if family in MOE_FAMILIES:
-        assert any(name.startswith("mtp.") for name in routers), "no router in the MTP layers"
-        assert routers and experts
-    else:
-        assert not routers and not experts
-    wanted = routers + experts + [name for name in names if name.startswith("mtp.")]
-    assert wanted and not [name for name in wanted if name not in trained], "parameters without gradient"
 
 
 # ------------------------------------------------------------------------------- the bridge's model
