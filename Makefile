@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,23 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
+
+# DeepSeek-V3, GLM-4.5 and MiMo as mbridge builds them (tests/test_bridges.py) on every matrix release
+# (scripts/bridges.py): the matrix environments plus .bridges/py311 or .bridges/py312, an overlay of
+# requirements/bridges.txt installed --no-deps. Fails when mbridge is missing or a test skips.
+# BRIDGES_VERSIONS=0.16.1 picks releases; PY312 and ALLOW_SKIP as for make matrix.
+BRIDGES_OPTS = $(if $(PY312),--python312 $(PY312)) $(if $(BRIDGES_VERSIONS),--versions $(BRIDGES_VERSIONS)) $(if $(ALLOW_SKIP),--allow-skip)
+
+bridges-env: venv  ## build the mbridge overlays (and the matrix environments they sit on)
+	$(PY) scripts/bridges.py --python311 $(PY) $(BRIDGES_OPTS) --build-only
+
+test-bridges: venv  ## the bridge-built families side by side with stock, on every matrix release
+	$(PY) scripts/bridges.py --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
+
+# The same families as megatron-bridge 0.6.2 provides them (tests/test_megatron_bridge.py): Python 3.12,
+# megatron-core 0.19.2, .bridges/py312-mb (requirements/bridges-megatron.txt, transformers 5.12.1).
+test-megatron-bridge: venv  ## the bridge-built families through megatron-bridge providers (Python 3.12, mcore 0.19.2)
+	$(PY) scripts/bridges.py --suite megatron-bridge --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
 
 bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
 	$(PY) -m benchmarks $(BENCH_ARGS)
