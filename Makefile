@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs verl-bench-env install-check
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,22 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
 
-bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
+# verl 0.9.1 for the benchmark's verl variant (benchmarks/verl_baseline.py): pinned, --no-deps, into .verl/py311.
+VERL_BENCH := .verl/py311
+$(VERL_BENCH)/.installed: requirements/verl-bench.txt | venv
+	rm -rf $(VERL_BENCH)
+	VERL_USE_EXTERNAL_PLUGINS=none $(PY) -m pip install -q --no-deps --target $(VERL_BENCH) -r requirements/verl-bench.txt
+	touch $@
+
+verl-bench-env: $(VERL_BENCH)/.installed  ## verl 0.9.1 for make bench's verl variant (without it the variant is skipped, with the reason)
+
+bench: venv  ## the main job: benchmark against stock mcore and verl (exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-acceptance: venv  ## draft acceptance through an RL run: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: under 5 minutes)
+install-check:  ## the README's install commands in a fresh virtualenv (scripts/check_install.sh)
+	PYTHON=$(PYTHON) scripts/check_install.sh
+
+acceptance: venv  ## draft acceptance through an RL run over 3 seeds: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: a few minutes)
 	$(PY) -m benchmarks.acceptance $(ACCEPTANCE_ARGS)
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
@@ -43,4 +55,4 @@ examples: venv  ## run examples/quickstart.py and examples/rl_step.py
 	$(PY) examples/rl_step.py
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) bench-out .verl
