@@ -1,6 +1,6 @@
 """Benchmark configurations: one base shape, and sweeps that vary one of vocab, sequence length, N.
 
-``cpu`` (the default): base V = 32,000, s = 512, h = 64, N = 2, fp32, with sweeps up to the vocabularies
+``cpu`` (the default): base V = 32,000, s = 512, h = 32, N = 2, fp32, with sweeps up to the vocabularies
 of real models (129,280: DeepSeek-V3; 151,936: Qwen2.5) and s = 4,096, b = 1; h and the layer count are
 small so that stock's fp32 logits fit a shared machine's memory and the run takes minutes, not hours.
 ``gpu`` is the realistic, head-dominant shape (vocab 151,936, sequence 4,096, hidden 2,048, bf16) for one
@@ -85,7 +85,7 @@ CONFIGS: dict[str, Config] = {
         name="cpu",
         device="cpu",
         dtype=torch.float32,  # bf16 matmuls are emulated (tens of times slower) on CPUs without AMX
-        base=Shape(vocab=32000, seq=512, mtp=2, hidden=64, layers=2, heads=4),
+        base=Shape(vocab=32000, seq=512, mtp=2, hidden=32, layers=2, heads=4),
         vocab_sweep=(8000, 32000, 129280, 151936),
         seq_sweep=(128, 512, 2048, 4096),
         mtp_sweep=(1, 2, 3),

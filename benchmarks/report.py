@@ -313,6 +313,40 @@ def _trainer_lines(config: Config, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def trainer_summary(config: Config, result: dict[str, Any]) -> str:
+    """One paragraph for the README: what ``output="logprobs"`` saves against the trainer's own log-softmax."""
+    rows = []
+    for shape_key, point in result["points"].items():
+        a, b = point["variants"].get("trainer_logits"), point["variants"].get("trainer_logprobs")
+        if a and b:
+            rows.append((shape_key, a, b, point["shape"]))
+    if not rows:
+        return ""
+    ratios = [(b["train"]["peak_bytes"] / a["train"]["peak_bytes"], key, a, b, shape) for key, a, b, shape in rows]
+    best = min(ratios, key=lambda r: r[0])
+    worst = max(ratios, key=lambda r: r[0])
+    flops = [b["train"]["flops"] / a["train"]["flops"] for _, a, b, _ in rows]
+    base = result["points"].get(config.base.key, {}).get("variants", {})
+    t = time_ratio(base["trainer_logprobs"][time_key(config)], base["trainer_logits"][time_key(config)]) if (
+        "trainer_logprobs" in base and "trainer_logits" in base) else None
+    env = result["env"]
+    shape = best[4]
+    text = (f'Measured by `make bench` ({env.get("date", "")[:10]}, {env.get("cpu_model", "CPU")}, fp32; exact counts): an RL '
+            f'trainer\'s policy-gradient + entropy loss from `output="logprobs", entropy=True` peaks at '
+            f'{best[0]:.2f}–{worst[0]:.2f}× the memory of the same loss computed from the returned logits '
+            f'(`log_softmax`, `gather`, entropy), MTP training in both; the largest saving at V = {shape["vocab"]:,}, '
+            f's = {shape["seq"]:,}, N = {shape["mtp"]} ({_mib(best[3]["train"]["peak_bytes"])} vs {_mib(best[2]["train"]["peak_bytes"])} MiB), '
+            f'for {min(flops):.2f}–{max(flops):.2f}× the FLOPs')
+    if t:
+        text += f"; {result.get('time_basis', 'time')} {_ratio_range(t)}× at the base shape ({t['rounds']} interleaved rounds, {time_verdict(t)} against 1.00)"
+    text += ". "
+    if worst[0] < 1.0:
+        text += 'When the RL loss needs only per-token log-probs and entropy, use `output="logprobs"`.'
+    else:
+        text += f'At {worst[1]} it holds more than the logits path: there keep `output="logits"`.'
+    return text + "\n"
+
+
 def _goal_lines(config: Config, g: dict[str, Any]) -> list[str]:
     lines = [f"Goals for `mtp_hooks` lean (`attach(model)`, the default), base shape; every sweep point below.", "",
              "| goal | measured | verdict |", "|---|---|---|"]
@@ -408,7 +442,7 @@ def plot(config: Config, result: dict[str, Any], path: str) -> None:
             label = next((p["variants"][name]["label"] for p in points if name in p["variants"]), name)
             offset = (index - (len(names) - 1) / 2) * 0.025
             shifted = [x * 2 ** offset if log_x else x + offset * 4 for x in xs]
-            style = dict(marker=MARKERS[index % len(MARKERS)], label=label, alpha=0.85, markersize=6)
+            style = dict(marker=MARKERS[index % len(MARKERS)], color=f"C{index % 10}", label=label, alpha=0.85, markersize=6)
             flops = [p["variants"][name]["train"]["flops"] / 1e9 if name in p["variants"] else float("nan") for p in points]
             peaks = [p["variants"][name]["train"]["peak_bytes"] / MIB if name in p["variants"] else float("nan") for p in points]
             axes[0][col].plot(shifted, flops, **style)

@@ -79,7 +79,7 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
     return pattern.sub(lambda _: f"{begin}\n{body}{end}", text)
 
 
-def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathlib.Path]:
+def publish(config: Config, markdown_text: str, png: pathlib.Path, trainer_text: str = "") -> list[pathlib.Path]:
     """Results into BENCHMARKS.md (between markers, or appended), the README block, the plot into docs/."""
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
@@ -98,6 +98,8 @@ def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathl
     if readme.exists():
         text = readme.read_text()
         updated = _replace_block(text, f"<!-- bench:{config.name} -->", f"<!-- /bench:{config.name} -->", body)
+        if updated is not None and trainer_text:
+            updated = _replace_block(updated, f"<!-- trainer:{config.name} -->", f"<!-- /trainer:{config.name} -->", trainer_text) or updated
         if updated is not None:
             readme.write_text(updated)
             written.append(readme)
@@ -148,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(markdown_text)
     print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png} in {raw['seconds']:.0f} s")
     if args.publish:
-        for path in publish(config, markdown_text, png):
+        for path in publish(config, markdown_text, png, report.trainer_summary(config, result)):
             print(f"published {path.relative_to(ROOT)}")
     if args.check or args.quick:
         failures = failed_checks(result)

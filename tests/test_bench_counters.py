@@ -130,3 +130,21 @@ def test_host_to_device_counts_tensors_made_from_host_data_only() -> None:
         torch.tensor([1.0, 2.0])
         torch.scalar_tensor(3.0)
     assert dict(h2d.by_op) == {"aten::lift_fresh": 1, "aten::scalar_tensor": 1}
+
+
+def test_check_fails_on_a_missed_exact_goal_or_a_skipped_variant_but_not_on_verl() -> None:
+    from benchmarks.run import failed_checks
+
+    ok = {"flops_ok": True, "detach_flops_ok": True, "inference_ok": True, "syncs_ok": True, "h2d_ok": True, "memory_ok": False}
+    result = {"points": {"V8-s4-N1": {"goals": dict(ok)}}, "refused": {"verl": "verl 0.9.1 is not importable"}}
+    assert failed_checks(result) == []  # memory is not checked, verl may be missing
+    result["points"]["V8-s4-N1"]["goals"]["syncs_ok"] = False
+    result["refused"]["hooks_dense"] = "refused"
+    assert failed_checks(result) == ["V8-s4-N1: syncs missed", "variant hooks_dense skipped: refused"]
+
+
+def test_time_verdict_straddling_the_threshold_reads_inconclusive() -> None:
+    from benchmarks.report import NOISE, time_ratio, time_verdict
+
+    assert NOISE == "inconclusive"
+    assert time_verdict(time_ratio([0.9, 1.1, 1.0], [1.0, 1.0, 1.0])) == "inconclusive"
