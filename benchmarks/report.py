@@ -16,6 +16,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
+from megatron.core.transformer import multi_token_prediction as _mtp
+
 from benchmarks.configs import Config, Shape
 from benchmarks.variants import DEFAULT_HOOKS, DETACH_HEAD, TRAINER_VARIANTS
 
@@ -34,7 +36,8 @@ GOALS = {
 }
 MET, MISSED, NOISE, NA = "met", "**missed**", "inconclusive", "n/a"
 # Variants whose MTP losses do not train the output layer: their FLOP floor lacks N head weight gradients.
-HEAD_DETACHED = {DETACH_HEAD, "verl"}
+# verl's patch detaches the head only in its legacy loop, on megatron-core without ``process_mtp_loss``.
+HEAD_DETACHED = {DETACH_HEAD} | (set() if hasattr(_mtp, "process_mtp_loss") else {"verl"})
 
 
 def time_key(config: Config, kind: str = "train") -> str:
@@ -376,6 +379,14 @@ def _x_stock(flops: float, g: dict[str, Any]) -> str:
     return f"{flops / g['flops_stock']:.4f} × stock"
 
 
+def _verl_cell(variants: dict[str, Any]) -> str:
+    verl, plain = variants.get("verl"), variants.get("no_mtp")
+    if verl is None:
+        return "–"
+    floor = f" ({_gflop(plain['infer']['flops'])})" if plain else ""
+    return f"{_mib(verl['train']['peak_bytes'])}, {verl['train']['syncs']} + {verl['infer']['syncs']}, {_gflop(verl['infer']['flops'])}{floor}"
+
+
 def _load_cell(load: Optional[dict[str, float]]) -> str:
     return "–" if not load else f"{load['median']:.1f} ({load['min']:.1f}–{load['max']:.1f})"
 
@@ -390,8 +401,8 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
         f"Sweep over {title} (other dimensions at the base shape); each cell: lean's figure and its verdict.",
         "",
         f"| {symbol} | stock GFLOP | lean FLOPs × stock | detach_head FLOPs / bound | lean peak / target MiB | host syncs "
-        "| inference = no-MTP | time lean / stock | load |",
-        "|---:|---:|---|---|---|---|---|---|---:|",
+        "| inference = no-MTP | time lean / stock | lean peak × floor | verl: peak MiB, host syncs, inference GFLOP (no-MTP) | load |",
+        "|---:|---:|---|---|---|---|---|---|---:|---|---:|",
     ]
     for name, shape in config.points():
         if name != sweep:
@@ -399,7 +410,7 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
         point = result["points"].get(shape.key)
         if point is None:
             continue
-        g, stock = point["goals"], point["variants"].get("stock")
+        g, stock, lean = point["goals"], point["variants"].get("stock"), point["variants"].get(DEFAULT_HOOKS)
         flops = _cell(f"{g['flops_ratio']:.3f}", g["flops_ok"]) if "flops_ratio" in g else "–"
         detach = (_cell(f"{_x_stock(g['detach_flops'], g)} / {_x_stock(g['detach_flops_bound'], g)}", g["detach_flops_ok"])
                   if "detach_flops" in g else "–")
@@ -408,7 +419,8 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
         infer = _verdict(g.get("inference_ok"))
         time_cell = f"{_ratio_range(g.get('time'))} {g.get('time_verdict', NA)}" if g.get("time") else NA
         lines.append(f"| {getattr(shape, sweep):,} | {_gflop(stock['train']['flops']) if stock else '–'} | {flops} | {detach} | "
-                     f"{memory} | {syncs} | {infer} | {time_cell} | {_load_cell(point.get('load'))} |")
+                     f"{memory} | {syncs} | {infer} | {time_cell} | {_ratio(lean.get('memory_vs_floor'), 2) if lean else '–'} | "
+                     f"{_verl_cell(point['variants'])} | {_load_cell(point.get('load'))} |")
     return lines
 
 
