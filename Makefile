@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs verl-bench-env install-check
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs verl-env test-verl install-check
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,16 +29,19 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
 
-# verl 0.9.1 for the benchmark's verl variant (benchmarks/verl_baseline.py): pinned, --no-deps, into .verl/py311.
-VERL_BENCH := .verl/py311
-$(VERL_BENCH)/.installed: requirements/verl-bench.txt | venv
-	rm -rf $(VERL_BENCH)
-	VERL_USE_EXTERNAL_PLUGINS=none $(PY) -m pip install -q --no-deps --target $(VERL_BENCH) -r requirements/verl-bench.txt
-	touch $@
+# verl 0.9.1 (requirements/verl.txt, exact pins) in .verl/py311 and .verl/py312, installed with
+# --no-deps --target and put on PYTHONPATH over .venv / .venv-py312 (scripts/verl_env.py), and the
+# verl integration tests (tests/test_verl*.py) on megatron-core 0.16.1 and 0.19.2. They fail,
+# not skip, when verl cannot be imported. PYTHONPATH=.verl/py311 .venv/bin/python imports verl.
+VERL_OPTS = $(if $(PY312),--python312 $(PY312))
 
-verl-bench-env: $(VERL_BENCH)/.installed  ## verl 0.9.1 for make bench's verl variant (without it the variant is skipped, with the reason)
+verl-env: venv  ## build .verl/py311 and .verl/py312 (verl 0.9.1 over the base venvs)
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) --build-only
 
-bench: venv  ## the main job: benchmark against stock mcore and verl (exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
+test-verl: venv  ## the verl 0.9.1 integration tests on megatron-core 0.16.1 and 0.19.2
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) -- $(PYTEST_ARGS)
+
+bench: venv  ## the main job: benchmark against stock mcore and verl (its variant needs make verl-env; exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 install-check:  ## the README's install commands in a fresh virtualenv (scripts/check_install.sh)
