@@ -73,11 +73,14 @@ class Config:
         return out
 
     def shapes(self) -> list[Shape]:
-        """Distinct shapes to measure, base first."""
-        seen: dict[Shape, None] = {self.base: None}
+        """Distinct shapes to measure: base first, then the most expensive (largest T · V) first, so that a
+        run cut short (its ``results.json`` is written after every shape) holds the realistic shapes."""
+        seen: dict[Shape, None] = {}
         for _, shape in self.points():
-            seen.setdefault(shape, None)
-        return list(seen)
+            if shape != self.base:
+                seen.setdefault(shape, None)
+        rest = sorted(seen, key=lambda s: (s.seq * s.batch * s.vocab * (s.mtp + 1)), reverse=True)
+        return [self.base, *rest]
 
 
 CONFIGS: dict[str, Config] = {

@@ -157,6 +157,7 @@ def summarize(config: Config, raw: dict[str, Any]) -> dict[str, Any]:
         "refused": raw["refused"],
         "rounds": config.rounds,
         "time_basis": "process CPU time" if config.device == "cpu" else "wall time",
+        "complete": raw.get("complete", True),
         "seconds": raw.get("seconds"),
         "points": by_key,
     }
@@ -237,7 +238,10 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         f"({memory_how}); host syncs: `_local_scalar_dense` / `is_nonzero` / `nonzero` / `item` / device→host copies; "
         f"H2D: tensors made from host data (`lift_fresh`, `scalar_tensor`) or copied host→device; "
         f"time: median (min–max) of {config.rounds} interleaved rounds, verdicts on {basis}."
-        + ("" if result.get("seconds") is None else f" Whole run: {result['seconds']:.0f} s."),
+        + ("" if result.get("seconds") is None else f" Whole run: {result['seconds']:.0f} s.")
+        + ("" if result.get("complete", True) else
+           f" **Partial run**: {len(result['points'])} of {len(config.shapes())} shapes measured before it was stopped "
+           "(the seconds are those of the measured shapes)."),
     ]
     for name, why in result["refused"].items():
         lines += ["", f"Variant `{name}` skipped: {why}."]

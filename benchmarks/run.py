@@ -33,8 +33,12 @@ from benchmarks.variants import VARIANTS  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def measure(config: Config, names: list[str], log: Any = sys.stderr) -> dict[str, Any]:
-    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads."""
+def measure(config: Config, names: list[str], log: Any = sys.stderr, partial: Optional[pathlib.Path] = None) -> dict[str, Any]:
+    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads.
+
+    With ``partial``, the raw results so far are written there after every shape (``"complete": false``),
+    so that a run cut short can still be reported with ``--from-json``.
+    """
     points: list[dict[str, Any]] = []
     refused: dict[str, str] = {}
     shapes = config.shapes()
@@ -53,9 +57,13 @@ def measure(config: Config, names: list[str], log: Any = sys.stderr) -> dict[str
                 refused[name] = why
             points.append({"shape": dataclasses.asdict(shape), "key": shape.key, "variants": variants})
             print(f"[{index + 1}/{len(shapes)}] {shape.key} done at {time.perf_counter() - started:.0f} s", file=log, flush=True)
+            if partial is not None:
+                so_far = {"config": config.name, "env": {**env, "load_end": list(os.getloadavg())}, "variants": names,
+                          "refused": refused, "points": points, "seconds": time.perf_counter() - started, "complete": False}
+                partial.write_text(json.dumps({"raw": so_far}, indent=1))
         env["load_end"] = list(os.getloadavg())
     return {"config": config.name, "env": env, "variants": names, "refused": refused, "points": points,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "complete": True}
 
 
 # Exact goals that hold at every shape; ``--check`` fails the run when one is missed. The memory goal
@@ -139,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if raw["config"] != config.name:
             parser.error(f"{args.from_json} holds config {raw['config']!r}, not {config.name!r}; pass --config {raw['config']}")
     else:
-        raw = measure(config, names)
+        raw = measure(config, names, partial=out_dir / "results.partial.json")
     result = report.summarize(config, raw)
     png = out_dir / f"bench_{config.name}.png"
     report.plot(config, result, str(png))

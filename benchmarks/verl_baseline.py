@@ -2,7 +2,7 @@
 
 verl is not a dependency of ``mtp_hooks``. The benchmark imports it from ``.verl/py311`` (verl 0.9.1
 and the packages its import needs, installed with ``pip install --no-deps --target``, pins in
-``requirements/verl-bench.txt``; ``make verl-bench-env``), appended to ``sys.path`` after this
+``requirements/verl.txt``; ``make verl-env``), appended to ``sys.path`` after this
 environment's own packages so that torch and megatron-core stay the benchmarked ones. Without it the
 variant is skipped and the report says why.
 
@@ -46,7 +46,7 @@ def _import_patch() -> Any:
     except Exception as error:  # ImportError, or a dependency failing at import
         where = f"{VERL_PATH.relative_to(ROOT)} holds no importable verl" if VERL_PATH.is_dir() else f"{VERL_PATH.relative_to(ROOT)} does not exist"
         raise Unavailable(f"verl {VERL_VERSION} is not importable ({where}: {type(error).__name__}: {error}); "
-                          "make verl-bench-env installs it") from None
+                          "make verl-env installs it") from None
     if getattr(verl, "__version__", None) != VERL_VERSION:
         raise Unavailable(f"verl {VERL_VERSION} expected, {getattr(verl, '__version__', '?')} found")
     return patch_engine_mtp
