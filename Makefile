@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env test-verl install-check
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,10 +46,25 @@ test-bridges: venv  ## the bridge-built families side by side with stock, on eve
 test-megatron-bridge: venv  ## the bridge-built families through megatron-bridge providers (Python 3.12, mcore 0.19.2)
 	$(PY) scripts/bridges.py --suite megatron-bridge --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
 
-bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
+# verl 0.9.1 (requirements/verl.txt, exact pins) in .verl/py311 and .verl/py312, installed with
+# --no-deps --target and put on PYTHONPATH over .venv / .venv-py312 (scripts/verl_env.py), and the
+# verl integration tests (tests/test_verl*.py) on megatron-core 0.16.1 and 0.19.2. They fail,
+# not skip, when verl cannot be imported. PYTHONPATH=.verl/py311 .venv/bin/python imports verl.
+VERL_OPTS = $(if $(PY312),--python312 $(PY312))
+
+verl-env: venv  ## build .verl/py311 and .verl/py312 (verl 0.9.1 over the base venvs)
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) --build-only
+
+test-verl: venv  ## the verl 0.9.1 integration tests on megatron-core 0.16.1 and 0.19.2
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) -- $(PYTEST_ARGS)
+
+bench: venv  ## the main job: benchmark against stock mcore and verl (its variant needs make verl-env; exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
-acceptance: venv  ## draft acceptance through an RL run: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: under 5 minutes)
+install-check:  ## the README's install commands in a fresh virtualenv (scripts/check_install.sh)
+	PYTHON=$(PYTHON) scripts/check_install.sh
+
+acceptance: venv  ## draft acceptance through an RL run over 3 seeds: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: a few minutes)
 	$(PY) -m benchmarks.acceptance $(ACCEPTANCE_ARGS)
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
@@ -60,4 +75,4 @@ examples: venv  ## run examples/quickstart.py and examples/rl_step.py
 	$(PY) examples/rl_step.py
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) bench-out .verl .bridges

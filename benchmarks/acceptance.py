@@ -21,7 +21,13 @@ backpropagated), the expected tokens per verification step of the depth-N chain 
 a real speculative sampling loop (MTP chain as the draft, main head as the target) whose
 realised acceptance is compared with the exact acceptance probability of the drafts it tried.
 
-Output: ``bench-out/acceptance/`` (``acceptance.json``, ``acceptance.md``, ``acceptance.png``).
+The whole experiment (language, pretraining, RL trajectory, evaluation rollouts) is repeated for
+each of ``--seeds`` (default 0, 1, 2; quick mode too); the tables give the mean and the min–max over
+seeds per variant and evaluation step, and the verdict counts the seeds in which a trained draft beats
+the frozen one at the last step.
+
+Output: ``bench-out/acceptance/`` (``acceptance.json`` with every seed's full run, ``acceptance.md``,
+``acceptance.png``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from benchmarks.acceptance_task import (  # noqa: E402
 from benchmarks.configs import Config, Shape  # noqa: E402
 
 VARIANTS = ("frozen", "ce", "distill", "tv")
+SEEDS = (0, 1, 2)
 PROMPT = 2  # BOS and the first word's start token
 
 
@@ -87,8 +94,8 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {
-    "quick": Setting(),
-    "full": Setting(sft_max_steps=2500, rl_steps=150, eval_every=10, eval_rollouts=128),
+    "quick": Setting(sft_min_steps=200, sft_max_steps=400, rl_steps=20, eval_every=5, eval_rollouts=128),
+    "full": Setting(sft_max_steps=2500, rl_steps=150, eval_every=10, eval_rollouts=256),
     "smoke": Setting(hidden=32, layers=1, seq=12, sft_batch=8, sft_min_steps=0, sft_max_steps=6, sft_window=3, rl_steps=2, prompts=2, group=4, eval_every=1, eval_rollouts=4),
 }
 
@@ -461,76 +468,139 @@ def _fmt(x: float) -> str:
     return "nan" if x != x else f"{x:.3f}"
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant, series and step: mean, sd, min and max over the seeds' runs (same evaluation steps)."""
+    steps = runs[0]["steps"]
+    if any(r["steps"] != steps for r in runs):
+        raise ValueError("the seeds' runs were evaluated at different steps")
+    series = [k for k in runs[0]["variants"]["frozen"] if isinstance(runs[0]["variants"]["frozen"][k], list) and not k.startswith("tried")]
+    out: dict[str, Any] = {"steps": steps, "seeds": [r["setting"]["seed"] for r in runs], "variants": {}}
+    for name in runs[0]["variants"]:
+        out["variants"][name] = {
+            key: [_spread([r["variants"][name][key][i] for r in runs]) for i in range(len(steps))] for key in series
+        }
+    out["reward"] = [_spread([r["reward"]["held_out_mean"][i] for r in runs]) for i in range(len(steps))]
+    out["grammatical_share"] = [_spread([r["grammatical_share"][i] for r in runs]) for i in range(len(steps))]
+    last = {name: [r["variants"][name]["accept_1"][-1] + r["variants"][name]["accept_2"][-1] for r in runs] for name in runs[0]["variants"]}
+    out["verdict"] = {
+        name: {"seeds_above_frozen": sum(a > f for a, f in zip(last[name], last["frozen"])),
+               "mean_gain_over_frozen": _spread([(a - f) / 2 for a, f in zip(last[name], last["frozen"])])}
+        for name in last if name != "frozen"
+    }
+    return out
+
+
+def _ms(d: dict[str, float]) -> str:
+    """mean (min–max) over seeds."""
+    return f"{_fmt(d['mean'])} ({_fmt(d['min'])}–{_fmt(d['max'])})"
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The results table: per variant, held-out figures at the first and last evaluation."""
-    steps, variants = result["steps"], result["variants"]
-    v = result["versions"]
-    s = result["setting"]
+    """Tables over seeds: per variant at the last evaluation, the verdict, and per step."""
+    summary, runs = result["summary"], result["runs"]
+    steps, last = summary["steps"], len(summary["steps"]) - 1
+    v, s = runs[0]["versions"], runs[0]["setting"]
+    n = len(runs)
     lines = [
         f"CPU, fp32; torch {v['torch']}, megatron-core {v['megatron-core']}. GPTModel h={s['hidden']}, {s['layers']} layers, "
-        f"V={s['vocab']}, N={s['mtp']}, rollouts of {s['seq']} tokens. Pretraining: {result['pretrain']['steps']} steps "
-        f"({'plateau reached' if result['pretrain']['plateau'] else 'step limit reached'}). RL: {s['rl_steps']} GRPO steps of "
-        f"{s['prompts']}x{s['group']} rollouts; held-out reward {result['reward']['held_out_mean'][0]:.3f} -> "
-        f"{result['reward']['held_out_mean'][-1]:.3f}; share of generated tokens the grammar allows "
-        f"{result['grammatical_share'][0]:.3f} -> {result['grammatical_share'][-1]:.3f}. Main parameters bit-identical across variants at every step. "
-        f"Evaluated on {s['eval_rollouts']} fresh rollouts every {s['eval_every']} steps; run took {result['seconds']:.0f} s.",
+        f"V={s['vocab']}, N={s['mtp']}, rollouts of {s['seq']} tokens. {n} seeds ({', '.join(map(str, summary['seeds']))}): each its "
+        f"own word language, pretraining ({', '.join(str(r['pretrain']['steps']) for r in runs)} steps), GRPO trajectory and "
+        f"evaluation rollouts. RL: {s['rl_steps']} GRPO steps of {s['prompts']}x{s['group']} rollouts; evaluated on "
+        f"{s['eval_rollouts']} fresh rollouts every {s['eval_every']} steps. Main parameters bit-identical across variants at "
+        f"every step of every seed. Runs took {', '.join(str(round(r['seconds'])) for r in runs)} s.",
         "",
-        f"| variant | accept_1 step 0 → {steps[-1]} | accept_2 step 0 → {steps[-1]} | agree_1 / agree_2 at {steps[-1]} | "
-        f"expected tokens/step at {steps[-1]} | realised tokens/step at {steps[-1]} | realised accept_1 / accept_2 (expected at the tried drafts) at {steps[-1]} |",
+        f"Mean (min–max) over the {n} seeds, at RL step {steps[last]}:",
+        "",
+        f"| variant | accept_1 step 0 → {steps[last]} | accept_2 step 0 → {steps[last]} | agree_1 / agree_2 | "
+        "expected tokens/step | realised tokens/step | realised accept_1 / accept_2 (expected at the tried drafts) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, d in variants.items():
+    for name, d in summary["variants"].items():
         lines.append(
-            f"| {name} | {_fmt(d['accept_1'][0])} → **{_fmt(d['accept_1'][-1])}** | {_fmt(d['accept_2'][0])} → **{_fmt(d['accept_2'][-1])}** | "
-            f"{_fmt(d['agree_1'][-1])} / {_fmt(d['agree_2'][-1])} | {_fmt(d['tokens_per_step'][-1])} | {_fmt(d['realised_tokens_per_step'][-1])} | "
-            f"{_fmt(d['realised_accept_1'][-1])} ({_fmt(d['expected_at_tried_1'][-1])}) / {_fmt(d['realised_accept_2'][-1])} ({_fmt(d['expected_at_tried_2'][-1])}) |"
+            f"| {name} | {_fmt(d['accept_1'][0]['mean'])} → **{_ms(d['accept_1'][last])}** | "
+            f"{_fmt(d['accept_2'][0]['mean'])} → **{_ms(d['accept_2'][last])}** | "
+            f"{_fmt(d['agree_1'][last]['mean'])} / {_fmt(d['agree_2'][last]['mean'])} | {_ms(d['tokens_per_step'][last])} | "
+            f"{_ms(d['realised_tokens_per_step'][last])} | {_fmt(d['realised_accept_1'][last]['mean'])} "
+            f"({_fmt(d['expected_at_tried_1'][last]['mean'])}) / {_fmt(d['realised_accept_2'][last]['mean'])} "
+            f"({_fmt(d['expected_at_tried_2'][last]['mean'])}) |"
         )
-    tried = {k: sum(sum(d[f"tried_{k}"]) for d in variants.values()) for k in (1, 2)}
-    realised = {k: sum(sum(r * t for r, t in zip(d[f"realised_accept_{k}"], d[f"tried_{k}"])) for d in variants.values()) / max(tried[k], 1) for k in (1, 2)}
-    expected = {k: sum(sum(r * t for r, t in zip(d[f"expected_at_tried_{k}"], d[f"tried_{k}"])) for d in variants.values()) / max(tried[k], 1) for k in (1, 2)}
+    lines += ["", f"Verdict from the seeds (mean expected acceptance over both depths at step {steps[last]}, trained draft − frozen):", "",
+              "| variant | seeds above frozen | gain: mean ± sd (min–max) |", "|---|---:|---:|"]
+    for name, d in summary["verdict"].items():
+        g = d["mean_gain_over_frozen"]
+        lines.append(f"| {name} | {d['seeds_above_frozen']} of {n} | {g['mean']:+.3f} ± {g['sd']:.3f} ({g['min']:+.3f} to {g['max']:+.3f}) |")
+    tried = {k: sum(sum(r["variants"][m][f"tried_{k}"]) for r in runs for m in r["variants"]) for k in (1, 2)}
+    realised = {k: sum(sum(a * t for a, t in zip(r["variants"][m][f"realised_accept_{k}"], r["variants"][m][f"tried_{k}"]))
+                       for r in runs for m in r["variants"]) / max(tried[k], 1) for k in (1, 2)}
+    expected = {k: sum(sum(a * t for a, t in zip(r["variants"][m][f"expected_at_tried_{k}"], r["variants"][m][f"tried_{k}"]))
+                       for r in runs for m in r["variants"]) / max(tried[k], 1) for k in (1, 2)}
+    worst = max(r["variants"][m]["accept_recomputed_max_diff"] for r in runs for m in r["variants"])
     lines += [
         "",
         "Expected tokens per verification step: `1 + a_1 + a_1·a_2` (the target's own token included; depths treated as "
-        "independent). Speculative sampling over all evaluations and variants: depth 1 accepted "
+        "independent). Speculative sampling over all seeds, evaluations and variants: depth 1 accepted "
         f"{realised[1]:.4f} of {tried[1]} drafts against an expected {expected[1]:.4f}; depth 2 {realised[2]:.4f} of {tried[2]} "
         f"against {expected[2]:.4f}. Largest difference between the hooks' `mtp_k/accept` and the same quantity recomputed "
-        f"from the captured distributions: {max(d['accept_recomputed_max_diff'] for d in variants.values()):.1e}.",
+        f"from the captured distributions: {worst:.1e}.",
         "",
-        "Expected acceptance by RL step (held-out rollouts):",
+        f"Expected acceptance `a1 / a2` by RL step on held-out rollouts, mean over the {n} seeds (min–max of a1 in brackets), "
+        "with the policy's held-out reward and grammatical share (means):",
         "",
-        "| step | reward | grammatical | " + " | ".join(f"{n} a1 / a2" for n in variants) + " |",
-        "|---:|---:|---:|" + "---:|" * len(variants),
+        "| step | reward | grammatical | " + " | ".join(f"{m} a1 / a2" for m in summary["variants"]) + " |",
+        "|---:|---:|---:|" + "---:|" * len(summary["variants"]),
     ]
     for i, step in enumerate(steps):
-        lines.append(f"| {step} | {result['reward']['held_out_mean'][i]:.3f} | {result['grammatical_share'][i]:.3f} | " + " | ".join(f"{_fmt(d['accept_1'][i])} / {_fmt(d['accept_2'][i])}" for d in variants.values()) + " |")
+        cells = [f"{_fmt(d['accept_1'][i]['mean'])} / {_fmt(d['accept_2'][i]['mean'])} ({_fmt(d['accept_1'][i]['min'])}–{_fmt(d['accept_1'][i]['max'])})"
+                 for d in summary["variants"].values()]
+        lines.append(f"| {step} | {_fmt(summary['reward'][i]['mean'])} | {_fmt(summary['grammatical_share'][i]['mean'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """Mean expected acceptance per variant and depth over the seeds, with the min–max band; the policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summary = result["summary"]
+    steps = summary["steps"]
     colours = {"frozen": "tab:gray", "ce": "tab:blue", "distill": "tab:orange", "tv": "tab:green"}
     fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.4]})
-    for name, d in result["variants"].items():
+    for name, d in summary["variants"].items():
         for k, style in ((1, "-"), (2, "--")):
-            ax.plot(result["steps"], d[f"accept_{k}"], style, color=colours.get(name), marker="o", ms=3, label=f"{name}, depth {k}")
+            series = d[f"accept_{k}"]
+            ax.plot(steps, [x["mean"] for x in series], style, color=colours.get(name), marker="o", ms=3, label=f"{name}, depth {k}")
+            ax.fill_between(steps, [x["min"] for x in series], [x["max"] for x in series], color=colours.get(name), alpha=0.12)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("expected acceptance  Σ min(p, q)")
-    ax.set_title("MTP draft acceptance on fresh rollouts of the current policy")
+    ax.set_ylabel("expected acceptance  Σ min(p, q)  (higher is better)")
+    ax.set_title(f"MTP draft acceptance on fresh rollouts: mean of {len(summary['seeds'])} seeds, band = min–max")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    ax_r.plot(result["steps"], result["reward"]["held_out_mean"], color="black", marker="o", ms=3, label="reward")
-    ax_r.plot(result["steps"], result["grammatical_share"], color="tab:red", marker="o", ms=3, label="grammatical share")
+    ax_r.plot(steps, [x["mean"] for x in summary["reward"]], color="black", marker="o", ms=3, label="reward")
+    ax_r.plot(steps, [x["mean"] for x in summary["grammatical_share"]], color="tab:red", marker="o", ms=3, label="grammatical share")
     ax_r.set_xlabel("RL step")
-    ax_r.set_title("policy (held-out rollouts)")
+    ax_r.set_title("policy (held-out rollouts, mean)")
     ax_r.legend(fontsize=7)
     ax_r.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_seeds(setting: Setting, seeds: tuple[int, ...], log: Any = print) -> dict[str, Any]:
+    """``run`` once per seed; every run and the summary over them."""
+    runs = []
+    for seed in seeds:
+        log(f"seed {seed}")
+        runs.append(run(dataclasses.replace(setting, seed=seed), log))
+    return {"seeds": list(seeds), "runs": runs, "summary": summarize(runs)}
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
@@ -542,16 +612,20 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the short schedule (under 5 minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="the short schedule (3 seeds in a few minutes on 2 cores)")
     parser.add_argument("--setting", choices=sorted(SETTINGS), help="named schedule (default: full, or quick with --quick)")
     parser.add_argument("--out", type=Path, default=Path("bench-out/acceptance"))
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (tiny matmuls: 1 is fastest)")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default: 0,1,2; at least 1)")
     args = parser.parse_args(argv)
     setting = SETTINGS[args.setting or ("quick" if args.quick else "full")]
+    seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+    if not seeds:
+        parser.error("--seeds needs at least one seed")
     torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
         models.setup(_config(), stack)
-        result = run(setting)
+        result = run_seeds(setting, seeds)
     write_outputs(result, args.out)
     print(markdown(result))
     print(f"written: {args.out}/acceptance.json, acceptance.md, acceptance.png")

@@ -1,8 +1,10 @@
 """Benchmark configurations: one base shape, and sweeps that vary one of vocab, sequence length, N.
 
-``cpu`` (the default) is the issue's shape (V = 32,000, s = 512, h = 128, N = 2, fp32) with sweeps
-below it, a few minutes on 2 cores; ``gpu`` is the realistic, head-dominant shape (vocab 151,936,
-sequence 4,096, hidden 2,048, bf16) for one GPU, a few minutes end to end.
+``cpu`` (the default): base V = 32,000, s = 512, h = 32, N = 2, fp32, with sweeps up to the vocabularies
+of real models (129,280: DeepSeek-V3; 151,936: Qwen2.5) and s = 4,096, b = 1; h and the layer count are
+small so that stock's fp32 logits fit a shared machine's memory and the run takes minutes, not hours.
+``gpu`` is the realistic, head-dominant shape (vocab 151,936, sequence 4,096, hidden 2,048, bf16) for one
+GPU. ``smoke`` (``--quick``) is seconds long: every variant, the machinery end to end, tiny shapes.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Config:
     position_embedding: str
     sweep_timed: Optional[tuple[str, ...]] = ("stock", "hooks_lean")
     chunk_size: Optional[int] = None  # lean loss chunk; None: the library's default
+    # Variants measured away from the base shape (None: all); the others only at the base shape.
+    sweep_variants: Optional[tuple[str, ...]] = None
 
     def points(self) -> list[tuple[str, Shape]]:
         """(sweep name, shape) for every point; the base shape appears in every sweep."""
@@ -69,11 +73,14 @@ class Config:
         return out
 
     def shapes(self) -> list[Shape]:
-        """Distinct shapes to measure, base first."""
-        seen: dict[Shape, None] = {self.base: None}
+        """Distinct shapes to measure: base first, then the most expensive (largest T · V) first, so that a
+        run cut short (its ``results.json`` is written after every shape) holds the realistic shapes."""
+        seen: dict[Shape, None] = {}
         for _, shape in self.points():
-            seen.setdefault(shape, None)
-        return list(seen)
+            if shape != self.base:
+                seen.setdefault(shape, None)
+        rest = sorted(seen, key=lambda s: (s.seq * s.batch * s.vocab * (s.mtp + 1)), reverse=True)
+        return [self.base, *rest]
 
 
 CONFIGS: dict[str, Config] = {
@@ -81,13 +88,14 @@ CONFIGS: dict[str, Config] = {
         name="cpu",
         device="cpu",
         dtype=torch.float32,  # bf16 matmuls are emulated (tens of times slower) on CPUs without AMX
-        base=Shape(vocab=32000, seq=512, mtp=2, hidden=128, layers=2, heads=4),
-        vocab_sweep=(8000, 16000, 32000),
-        seq_sweep=(128, 256, 512),
+        base=Shape(vocab=32000, seq=512, mtp=2, hidden=32, layers=2, heads=4),
+        vocab_sweep=(8000, 32000, 129280, 151936),
+        seq_sweep=(128, 512, 2048, 4096),
         mtp_sweep=(1, 2, 3),
         rounds=5,
         warmup=1,
         position_embedding="learned_absolute",
+        sweep_variants=("stock", "verl", "no_mtp", "hooks_lean", "hooks_lean_detach_head", "trainer_logits", "trainer_logprobs"),
     ),
     "gpu": Config(
         name="gpu",

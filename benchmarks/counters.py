@@ -1,13 +1,28 @@
-"""Exact counters for one call: FLOPs, peak live tensor bytes, host syncs.
+"""Exact counters for one call: FLOPs, peak live tensor bytes, host syncs, host-to-device tensors.
 
 They count what the call does, not how long it takes, so other work sharing the machine cannot change
 them and one run per variant and shape is enough:
 
-* ``count_flops``: ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention).
+* ``flop_counter()``: ``torch.utils.flop_counter.FlopCounterMode`` with three formulas torch 2.13 lacks:
+  the in-place ``addmm_`` / ``baddbmm_`` (2·m·n·k per product, as their out-of-place forms; a chunked
+  weight-gradient accumulation is made of them) and the CPU attention kernels
+  ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (torch's own SDPA formula: the full
+  s × s products, a causal mask does not halve them, as for torch's GPU kernels).
 * ``LiveBytes``: a dispatch mode that adds the bytes of every storage an op creates and subtracts them
   when the storage dies; its peak is what ``torch.cuda.max_memory_allocated`` would report above the
   memory live before the call, without the allocator's rounding, caching or fragmentation.
-* ``HostSyncs``: a dispatch mode counting the ops that make the host wait for the device.
+* ``HostSyncs``: a dispatch mode counting the ops that make the host wait for the device:
+  ``_local_scalar_dense`` (``.item()``, ``bool()``, ``int()``), ``is_nonzero``, ``nonzero``, ``item``
+  and copies from a device to the host. It sees the aten ops the Python code dispatches. It cannot see a
+  sync made *inside* one op's kernel (e.g. a C++ kernel reading a device value into a host size, as
+  ``masked_select`` or ``repeat_interleave`` without ``output_size`` do on CUDA), nor
+  ``torch.cuda.synchronize()`` / stream or event waits (not aten ops): those it reports as 0.
+* ``HostToDevice``: a dispatch mode counting tensors made from host data inside the call: ``lift_fresh``
+  (``torch.tensor(python data)``), ``scalar_tensor`` (a Python number made a tensor), and ``_to_copy`` /
+  ``copy_`` from a CPU tensor into a tensor on another device. On a GPU each is a host-to-device copy;
+  on CPU the first two are still counted (they are what would be copied on a GPU), the last cannot occur.
+  Python numbers passed to an op as arguments (``x * 0.5``, ``torch.full``) are kernel arguments, not
+  tensors, and are not counted.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 T = TypeVar("T")
 
@@ -29,9 +44,45 @@ SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::no
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_"})
 
 
+aten = torch.ops.aten
+
+
+def _addmm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """``addmm_`` / ``addmm``: one ``[m, k] @ [k, n]`` product, 2·m·n·k (the add is not counted, as torch)."""
+    m, k = a_shape
+    n = b_shape[1]
+    return 2 * m * n * k
+
+
+def _baddbmm_flops(self_shape: Any, a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    b, m, k = a_shape
+    return 2 * b * m * b_shape[2] * k
+
+
+def _sdpa_cpu_flops(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _sdpa_cpu_backward_flops(grad_out: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten.addmm_: _addmm_flops,
+    aten.baddbmm_: _baddbmm_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """``FlopCounterMode`` with ``EXTRA_FLOP_FORMULAS`` (in-place matmuls, CPU attention)."""
+    return FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+
+
 def count_flops(fn: Callable[[], T]) -> tuple[int, T]:
-    """(FLOPs of ``fn()``, its result), counted by ``FlopCounterMode`` (forward and any backward inside)."""
-    with FlopCounterMode(display=False) as counter:
+    """(FLOPs of ``fn()``, its result), counted by ``flop_counter()`` (forward and any backward inside)."""
+    with flop_counter() as counter:
         result = fn()
     return counter.get_total_flops(), result
 
@@ -109,4 +160,36 @@ class HostSyncs(TorchDispatchMode):
             targets = [t.device.type for t in _tensors(out)]
             if any(d not in ("cpu", "meta") for d in sources) and "cpu" in targets:
                 self.by_op[f"{name} (to host)"] += 1
+        return out
+
+
+# Ops that make a tensor out of host data.
+_FROM_HOST_OPS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::scalar_tensor"})
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts tensors made from host data (``lift_fresh``, ``scalar_tensor``) and host-to-device
+    copies (``_to_copy`` / ``copy_`` from a CPU tensor into another device's); ``by_op`` says which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = func._schema.name
+        out = func(*args, **(kwargs or {}))
+        if name in _FROM_HOST_OPS:
+            self.by_op[name] += 1
+        elif name in _COPY_OPS:
+            if name == "aten::copy_":
+                sources = [t.device.type for t in _tensors((args[1:], kwargs))]
+            else:
+                sources = [t.device.type for t in _tensors((args, kwargs))]
+            targets = [t.device.type for t in _tensors(out)]
+            if "cpu" in sources and any(d not in ("cpu", "meta") for d in targets):
+                self.by_op[f"{name} (to device)"] += 1
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 from typing import Any
 
@@ -13,8 +14,20 @@ import mtp_hooks
 from benchmarks.configs import Config
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (``platform.processor()`` where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def environment(config: Config) -> dict[str, Any]:
-    """Date, Python / torch / megatron-core / mtp_hooks versions, CPU threads, GPU name if any."""
+    """Date, Python / torch / megatron-core / mtp_hooks / verl versions, CPU model, cores, threads, load, GPU if any."""
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -22,8 +35,14 @@ def environment(config: Config) -> dict[str, Any]:
         "megatron_core": megatron.core.__version__,
         "mtp_hooks": mtp_hooks.__version__,
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "cpu_threads": torch.get_num_threads(),
+        "load_start": list(os.getloadavg()),  # 1, 5 and 15-minute load averages when the run began
     }
+    from benchmarks import verl_baseline
+
+    env["verl"] = verl_baseline.version()
     if config.device != "cpu":
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -32,8 +33,12 @@ from benchmarks.variants import VARIANTS  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def measure(config: Config, names: list[str], log: Any = sys.stderr) -> dict[str, Any]:
-    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads."""
+def measure(config: Config, names: list[str], log: Any = sys.stderr, partial: Optional[pathlib.Path] = None) -> dict[str, Any]:
+    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads.
+
+    With ``partial``, the raw results so far are written there after every shape (``"complete": false``),
+    so that a run cut short can still be reported with ``--from-json``.
+    """
     points: list[dict[str, Any]] = []
     refused: dict[str, str] = {}
     shapes = config.shapes()
@@ -43,16 +48,36 @@ def measure(config: Config, names: list[str], log: Any = sys.stderr) -> dict[str
         env = environment(config)
         for index, shape in enumerate(shapes):
             base = shape == config.base
-            timed_names = names if base or config.sweep_timed is None else [n for n in names if n in config.sweep_timed]
-            variants, refused_here = run_shape(config, shape, names, timed_names, time_inference=base)
+            here = names if base or config.sweep_variants is None else [n for n in names if n in config.sweep_variants]
+            timed_names = here if base or config.sweep_timed is None else [n for n in here if n in config.sweep_timed]
+            variants, refused_here = run_shape(config, shape, here, timed_names, time_inference=base)
             for name, why in refused_here.items():
                 if name not in refused:
-                    print(f"skipping {name}: the installed mtp_hooks refuses it: {why}", file=log, flush=True)
+                    print(f"skipping {name}: {why}", file=log, flush=True)
                 refused[name] = why
             points.append({"shape": dataclasses.asdict(shape), "key": shape.key, "variants": variants})
             print(f"[{index + 1}/{len(shapes)}] {shape.key} done at {time.perf_counter() - started:.0f} s", file=log, flush=True)
+            if partial is not None:
+                so_far = {"config": config.name, "env": {**env, "load_end": list(os.getloadavg())}, "variants": names,
+                          "refused": refused, "points": points, "seconds": time.perf_counter() - started, "complete": False}
+                partial.write_text(json.dumps({"raw": so_far}, indent=1))
+        env["load_end"] = list(os.getloadavg())
     return {"config": config.name, "env": env, "variants": names, "refused": refused, "points": points,
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "complete": True}
+
+
+# Exact goals that hold at every shape; ``--check`` fails the run when one is missed. The memory goal
+# is left out: its margin (0.9 of N logits, plus the fp32 accumulator) is meant for realistic vocabularies
+# and is legitimately missed at the smoke shapes, where the accumulator is most of the difference.
+CHECKED_GOALS = ("flops_ok", "detach_flops_ok", "inference_ok", "syncs_ok", "h2d_ok")
+
+
+def failed_checks(result: dict[str, Any], skippable: tuple[str, ...] = ("verl",)) -> list[str]:
+    """Every checked goal missed at any point, and every variant skipped that may not be."""
+    failures = [f"{key}: {goal.replace('_ok', '')} missed" for key, point in result["points"].items()
+                for goal in CHECKED_GOALS if point["goals"].get(goal) is False]
+    failures += [f"variant {name} skipped: {why}" for name, why in result["refused"].items() if name not in skippable]
+    return failures
 
 
 def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
@@ -62,7 +87,7 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
     return pattern.sub(lambda _: f"{begin}\n{body}{end}", text)
 
 
-def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathlib.Path]:
+def publish(config: Config, markdown_text: str, png: pathlib.Path, trainer_text: str = "") -> list[pathlib.Path]:
     """Results into BENCHMARKS.md (between markers, or appended), the README block, the plot into docs/."""
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
@@ -81,6 +106,8 @@ def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathl
     if readme.exists():
         text = readme.read_text()
         updated = _replace_block(text, f"<!-- bench:{config.name} -->", f"<!-- /bench:{config.name} -->", body)
+        if updated is not None and trainer_text:
+            updated = _replace_block(updated, f"<!-- trainer:{config.name} -->", f"<!-- /trainer:{config.name} -->", trainer_text) or updated
         if updated is not None:
             readme.write_text(updated)
             written.append(readme)
@@ -90,15 +117,18 @@ def publish(config: Config, markdown_text: str, png: pathlib.Path) -> list[pathl
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="mtp_hooks vs stock mcore: FLOPs, peak live memory, host syncs, time")
     parser.add_argument("--config", default="cpu", choices=sorted(CONFIGS))
+    parser.add_argument("--quick", action="store_true", help="= --config smoke: every variant on tiny shapes, seconds (CI runs it)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default: the config's; at least 5)")
     parser.add_argument("--chunk-size", type=int, default=None, help="lean loss tokens per chunk (default: the library's)")
     parser.add_argument("--out", default=str(ROOT / "bench-out"), help="output folder (default: bench-out/)")
     parser.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
                         help="measure nothing: rebuild the tables and plot from a results.json this command wrote")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 3 if an exact goal (FLOPs, detach_head FLOPs, inference = no-MTP, host syncs, H2D) is missed anywhere (--quick implies it)")
     parser.add_argument("--publish", action="store_true", help="also write BENCHMARKS.md's results, the README block and docs/bench_<config>.png")
     args = parser.parse_args(argv)
-    config = CONFIGS[args.config]
+    config = CONFIGS["smoke" if args.quick else args.config]
     names = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
@@ -117,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if raw["config"] != config.name:
             parser.error(f"{args.from_json} holds config {raw['config']!r}, not {config.name!r}; pass --config {raw['config']}")
     else:
-        raw = measure(config, names)
+        raw = measure(config, names, partial=out_dir / "results.partial.json")
     result = report.summarize(config, raw)
     png = out_dir / f"bench_{config.name}.png"
     report.plot(config, result, str(png))
@@ -128,8 +158,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(markdown_text)
     print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png} in {raw['seconds']:.0f} s")
     if args.publish:
-        for path in publish(config, markdown_text, png):
+        for path in publish(config, markdown_text, png, report.trainer_summary(config, result)):
             print(f"published {path.relative_to(ROOT)}")
+    if args.check or args.quick:
+        failures = failed_checks(result)
+        for failure in failures:
+            print(f"CHECK FAILED: {failure}", file=sys.stderr)
+        if failures:
+            return 3
+        print("checks passed: " + ", ".join(g.replace("_ok", "") for g in CHECKED_GOALS) + " at every point")
     return 0
 
 

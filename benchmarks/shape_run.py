@@ -5,10 +5,11 @@ so that the timed rounds can alternate between them: round r runs each timed var
 order rotated by r, so that slow phases of a shared machine hit every variant alike. Per variant:
 
 1. ``warmup`` untimed training and inference micro-batches;
-2. one counted training and one counted inference micro-batch: FLOPs (``FlopCounterMode``), host
-   syncs (``HostSyncs``) and peak live bytes above what was live before the call (``LiveBytes`` on
+2. one counted training and one counted inference micro-batch: FLOPs (``flop_counter``), host
+   syncs (``HostSyncs``), host-to-device tensors (``HostToDevice``) and peak live bytes above what was live before the call (``LiveBytes`` on
    CPU; ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` on CUDA);
-3. ``rounds`` timed training (and, where asked, inference) micro-batches, interleaved.
+3. ``rounds`` timed training (and, where asked, inference) micro-batches, interleaved: wall and
+   process CPU time of each, and the 1-minute load average after it.
 
 Gradients are set to ``None`` before each training micro-batch, outside counted and timed regions,
 so the gradients a micro-batch creates are part of its peak, as in a real first micro-batch.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -30,9 +32,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 import mtp_hooks
 from benchmarks import models
 from benchmarks.configs import Config, Shape
-from benchmarks.counters import HostSyncs, LiveBytes
-from benchmarks.variants import VARIANTS, Variant, loss_path
-from torch.utils.flop_counter import FlopCounterMode
+from benchmarks.counters import HostSyncs, HostToDevice, LiveBytes, flop_counter
+from benchmarks.variants import VARIANTS, TrainerState, Variant, loss_path
+from benchmarks.verl_baseline import Unavailable
 
 
 @dataclasses.dataclass
@@ -54,8 +56,9 @@ class Prepared:
         """Between micro-batches, never inside a measured one: drop gradients and logged losses."""
         self.model.zero_grad(set_to_none=True)
         MTPLossLoggingHelper.tracker.clear()
-        if isinstance(self.state, mtp_hooks.MTPHooks):
-            self.state.metrics(reset=True)
+        hooks = self.state.hooks if isinstance(self.state, TrainerState) else self.state
+        if isinstance(hooks, mtp_hooks.MTPHooks):
+            hooks.metrics(reset=True)
 
 
 def _sync(cuda: bool) -> None:
@@ -63,24 +66,26 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], None], cuda: bool) -> float:
-    """Seconds of one call, device work included (synchronised before and after on CUDA only)."""
+def timed(fn: Callable[[], None], cuda: bool) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call, device work included (synchronised before and
+    after on CUDA only). Process CPU time counts this process's threads only, so other processes on a
+    shared machine change it less than the wall time (they still take cores, caches and memory bandwidth)."""
     _sync(cuda)
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     fn()
     _sync(cuda)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def counted(fn: Callable[[], None], cuda: bool) -> dict[str, Any]:
-    """FLOPs, peak live bytes above the bytes live before, and host syncs of one call."""
+    """FLOPs, peak live bytes above the bytes live before, host syncs and host-to-device tensors of one call."""
     gc.collect()
     _sync(cuda)
     live = contextlib.nullcontext() if cuda else LiveBytes()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    with live, HostSyncs() as syncs, FlopCounterMode(display=False) as flops:
+    with live, HostSyncs() as syncs, HostToDevice() as h2d, flop_counter() as flops:
         fn()
     if cuda:
         _sync(cuda)
@@ -88,7 +93,8 @@ def counted(fn: Callable[[], None], cuda: bool) -> dict[str, Any]:
     else:
         assert isinstance(live, LiveBytes)
         peak = live.peak
-    return {"flops": flops.get_total_flops(), "peak_bytes": peak, "syncs": syncs.count, "syncs_by_op": dict(syncs.by_op)}
+    return {"flops": flops.get_total_flops(), "peak_bytes": peak, "syncs": syncs.count, "syncs_by_op": dict(syncs.by_op),
+            "h2d": h2d.count, "h2d_by_op": dict(h2d.by_op)}
 
 
 def prepare(config: Config, shape: Shape, names: list[str]) -> tuple[dict[str, Prepared], dict[str, str]]:
@@ -101,7 +107,10 @@ def prepare(config: Config, shape: Shape, names: list[str]) -> tuple[dict[str, P
         try:
             state = variant.prepare(model, config)
         except mtp_hooks.MTPHooksError as error:
-            refused[name] = " ".join(str(error).split())
+            refused[name] = "the installed mtp_hooks refuses it: " + " ".join(str(error).split())
+            continue
+        except Unavailable as error:
+            refused[name] = str(error)
             continue
         prepared[name] = Prepared(variant, model, state, models.make_batch(config, shape))
     return prepared, refused
@@ -139,16 +148,22 @@ def _measure(
         p.tidy()
         infer = counted(p.infer, cuda)
         p.tidy()
-        out[name] = {"label": p.variant.label, "loss_path": path, "train": train, "infer": infer, "train_s": [], "infer_s": []}
+        out[name] = {"label": p.variant.label, "loss_path": path, "train": train, "infer": infer,
+                     "train_s": [], "infer_s": [], "train_cpu_s": [], "infer_cpu_s": [], "load": []}
     order = [name for name in prepared if name in timed_names]
     for round_index in range(config.rounds if order else 0):
         shift = round_index % len(order)
         for name in order[shift:] + order[:shift]:
             p = prepared[name]
             p.tidy()
-            out[name]["train_s"].append(timed(p.train, cuda))
+            wall, cpu = timed(p.train, cuda)
+            out[name]["train_s"].append(wall)
+            out[name]["train_cpu_s"].append(cpu)
             if time_inference:
-                out[name]["infer_s"].append(timed(p.infer, cuda))
+                wall, cpu = timed(p.infer, cuda)
+                out[name]["infer_s"].append(wall)
+                out[name]["infer_cpu_s"].append(cpu)
+            out[name]["load"].append(os.getloadavg()[0])
     for p in prepared.values():
         p.tidy()
     return out

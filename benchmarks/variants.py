@@ -10,10 +10,16 @@ Variants:
 * ``stock``: mcore as shipped. Labels in, per-token loss out. It cannot run without labels
   (``_postprocess`` clones them), so its inference micro-batch runs *with* labels under
   ``no_grad``, which is what stock users do: MTP block, MTP heads and CE all run.
-* ``patched``: ``baseline_patch`` (``_postprocess`` replaced on the instance); returns logits.
+* ``verl``: verl 0.9.1's MTP patch (``verl_baseline``), run as verl's engine runs it: labels and
+  loss mask passed to every forward, its ``no_grad`` log-prob passes included; returns logits.
+  Skipped, with the reason, where verl is not importable.
 * ``no_mtp``: the same model built without MTP layers; the floor for inference.
 * ``hooks_<loss_impl>``: ``mtp_hooks.attach(model, loss_impl=...)``, one per value of
   ``HOOKS_LOSS_IMPLS``; ``hooks_lean_detach_head`` adds ``detach_head=True``.
+* ``trainer_logits`` / ``trainer_logprobs``: an RL trainer's own loss, a policy gradient with an entropy
+  bonus from per-token log-probs and entropies: from the returned logits (``log_softmax`` in fp32,
+  ``gather``, entropy), or from ``output="logprobs", entropy=True``. Their inference micro-batch is the
+  old-policy pass: the same log-probs under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import Tensor, nn
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
-from benchmarks import baseline_patch
+from benchmarks import verl_baseline
 from benchmarks.configs import Config
 from benchmarks.models import Batch
 
@@ -60,8 +66,15 @@ def _stock_infer(model: nn.Module, batch: Batch, state: Any) -> None:
         model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
 
 
-def _patched_train(model: nn.Module, batch: Batch, state: Any) -> None:
+def _labelled_train(model: nn.Module, batch: Batch, state: Any) -> None:
+    """verl's engine: labels and loss mask into the forward, logits back, the user's loss on them."""
     main_loss(model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch).backward()
+
+
+def _labelled_infer(model: nn.Module, batch: Batch, state: Any) -> None:
+    """verl's engine also passes labels to its ``no_grad`` log-prob passes."""
+    with torch.no_grad():
+        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
 
 
 def _plain_train(model: nn.Module, batch: Batch, state: Any) -> None:
@@ -77,6 +90,48 @@ def _hooks_train(model: nn.Module, batch: Batch, hooks: mtp_hooks.MTPHooks) -> N
     with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
         loss = main_loss(model(*batch.model_args), batch)  # the logits are not kept past the loss, as in stock
     loss.backward()
+
+
+ENTROPY_BONUS = 0.01
+
+
+@dataclasses.dataclass
+class TrainerState:
+    hooks: mtp_hooks.MTPHooks
+    advantages: Tensor
+
+
+def _token_logprobs(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """What a trainer computes from ``[b, s, V]`` logits: the labels' log-probs and the entropy."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def _policy_loss(logprobs: Tensor, entropy: Tensor, batch: Batch, advantages: Tensor) -> Tensor:
+    return -masked_mean(advantages * logprobs + ENTROPY_BONUS * entropy, batch.loss_mask)
+
+
+def _trainer_logits_train(model: nn.Module, batch: Batch, state: TrainerState) -> None:
+    with state.hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
+        logits = model(*batch.model_args)
+    logprobs, entropy = _token_logprobs(logits, batch.labels)
+    del logits  # as a trainer's loss function: only the graph keeps it
+    _policy_loss(logprobs, entropy, batch, state.advantages).backward()
+
+
+def _trainer_logits_infer(model: nn.Module, batch: Batch, state: TrainerState) -> None:
+    with torch.no_grad():
+        _token_logprobs(model(*batch.model_args), batch.labels)
+
+
+def _trainer_logprobs_train(model: nn.Module, batch: Batch, state: TrainerState) -> None:
+    out = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+    _policy_loss(out.logprobs, out.entropy, batch, state.advantages).backward()
+
+
+def _trainer_logprobs_infer(model: nn.Module, batch: Batch, state: TrainerState) -> None:
+    with torch.no_grad():
+        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
 
 
 # ------------------------------------------------------------------------------- variants
@@ -103,8 +158,19 @@ def _nothing(model: nn.Module, config: Config) -> None:
     return None
 
 
-def _patch(model: nn.Module, config: Config) -> None:
-    baseline_patch.patch(model)
+def _verl(model: nn.Module, config: Config) -> None:
+    verl_baseline.patch(model)  # raises verl_baseline.Unavailable where verl cannot be imported
+
+
+def _trainer(**options: Any) -> Callable[[nn.Module, Config], TrainerState]:
+    def prepare(model: nn.Module, config: Config) -> TrainerState:
+        hooks = mtp_hooks.attach(model, chunk_size=config.chunk_size, **options)
+        first = next(model.parameters())
+        gen = torch.Generator().manual_seed(1)
+        shape = (config.base.batch, model.max_sequence_length)
+        return TrainerState(hooks, torch.randn(shape, generator=gen).to(first.device))
+
+    return prepare
 
 
 def _hooks(**options: Any) -> Callable[[nn.Module, Config], mtp_hooks.MTPHooks]:
@@ -120,6 +186,8 @@ def _hooks_variant(name: str, label: str, **options: Any) -> Variant:
 
 def loss_path(state: Any) -> Optional[str]:
     """Which loss path the last hooks forward took, where the library reports it (else ``None``)."""
+    if isinstance(state, TrainerState):
+        state = state.hooks
     if not isinstance(state, mtp_hooks.MTPHooks):
         return None
     path = getattr(state, "loss_path", None)
@@ -130,9 +198,14 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant("stock", "stock mcore", True, _nothing, _stock_train, _stock_infer),
-        Variant("patched", "instance patch", True, _patch, _patched_train, _plain_infer),
+        Variant("verl", f"verl {verl_baseline.VERL_VERSION} patch", True, _verl, _labelled_train, _labelled_infer),
         Variant("no_mtp", "no MTP layers", False, _nothing, _plain_train, _plain_infer),
         *(_hooks_variant(f"hooks_{impl}", f"mtp_hooks {impl}", loss_impl=impl) for impl in HOOKS_LOSS_IMPLS),
         _hooks_variant(DETACH_HEAD, "mtp_hooks lean + detach_head", loss_impl="lean", detach_head=True),
+        Variant("trainer_logits", "trainer loss on logits", True, _trainer(output="logits"),
+                _trainer_logits_train, _trainer_logits_infer),
+        Variant("trainer_logprobs", 'trainer loss on output="logprobs"', True, _trainer(output="logprobs", entropy=True),
+                _trainer_logprobs_train, _trainer_logprobs_infer),
     )
 }
+TRAINER_VARIANTS: tuple[str, ...] = ("trainer_logits", "trainer_logprobs")

@@ -134,6 +134,11 @@ def track_mcore_mtp_losses(iteration: int, logged: dict[str, Tensor]) -> None:
     )
 
 
+def _signed(value: float) -> str:
+    """``+0.1225`` / ``-0.1225``; a value that rounds to zero prints as ``+0.0000``, never ``-0.0000``."""
+    return f"{0.0 if abs(value) < 5e-5 else value:+.4f}"
+
+
 def main() -> None:
     with megatron_runtime() as device:
         model = tiny_gpt_with_mtp(device)
@@ -157,7 +162,10 @@ def main() -> None:
                 losses.append(torch.stack([d["pg loss"] for d in stored]).mean().item())
                 track_mcore_mtp_losses(iteration, tracked)
             print(f"iteration {iteration}: mean reward {rewards.mean().item():.3f}, "
-                  f"pg loss per epoch {', '.join(f'{loss:+.4f}' for loss in losses)}")
+                  f"pg loss per epoch {', '.join(_signed(loss) for loss in losses)}")
+            if iteration == 1:
+                print("  (epoch 1's loss is 0 up to rounding: the policy still is the old one, so every ratio is 1,\n"
+                      "   and GRPO's advantages sum to 0 within each group of equally long completions)")
             print(f"  MTP metrics: {format_metrics(hooks.metrics())}")
             if tracked:  # mean over the iteration's optimizer steps
                 print("  mcore MTP tracker: " + "  ".join(f"{name}={value.item() / EPOCHS:.4g}" for name, value in tracked.items()))

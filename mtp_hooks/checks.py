@@ -39,8 +39,8 @@ def check_targets(labels: Any, loss_mask: Any, validate: Validate) -> None:
     if loss_mask.device != labels.device:
         raise bad_argument("loss_mask", f"a tensor on the device of labels ({labels.device})", f"a tensor on {loss_mask.device}")
     if loss_mask.dtype != torch.bool and validate != "off":
-        ok = ((loss_mask == 0) | (loss_mask == 1)).all()
-        _require(ok, validate, lambda: bad_argument("loss_mask", "values in {0, 1}", f"{describe(loss_mask)} with other values"))
+        other = (loss_mask != 0) & (loss_mask != 1)
+        _require(~other.any(), validate, lambda: _not_binary(loss_mask, other))
 
 
 def check_against_inputs(labels: Tensor, input_ids: Any) -> None:
@@ -71,6 +71,13 @@ def _require(ok: Tensor, validate: Validate, error: Callable[[], MTPHooksError])
     if validate == "off":
         return
     if validate == "host":
+        if ok.device.type == "meta":
+            raise bad_argument(
+                "validate",
+                "'host' only with targets that hold values (validate='host' reads them on the host)",
+                "'host' with meta tensors, which have no values\n"
+                "  fix: attach(..., validate='off') (or 'device') to trace or count a model on the meta device",
+            )
         if not bool(ok):
             raise error()
         return
@@ -78,6 +85,22 @@ def _require(ok: Tensor, validate: Validate, error: Callable[[], MTPHooksError])
         torch._assert_async(ok, "mtp_hooks: invalid targets (rerun with attach(..., validate='host') for details)")
     except RuntimeError:  # raised at once on CPU tensors
         raise error() from None
+
+
+def _not_binary(loss_mask: Tensor, other: Tensor) -> MTPHooksError:
+    """The error for a mask with values other than 0 and 1: how many, which values where, why."""
+    where = other.nonzero().tolist()
+    shown = ", ".join(f"{loss_mask[b, s].item():g} at [{b}, {s}]" for b, s in where[:_SHOWN])
+    more = f" and {len(where) - _SHOWN} more" if len(where) > _SHOWN else ""
+    return bad_argument(
+        "loss_mask",
+        "values in {0, 1}: mtp_hooks reads the mask as a selection of tokens (its metrics count tokens, "
+        "mtp_targets rolls it as 0/1)",
+        f"{describe(loss_mask)} with {len(where)} values other than 0 and 1: {shown}{more}\n"
+        "  why: stock mcore multiplies each token's CE by the mask and divides by its sum, so a weighted mask\n"
+        "  would weight the MTP loss and count fractional tokens; mtp_hooks does not take weights\n"
+        "  fix: pass (loss_mask > 0) to select those tokens, or validate='off' to skip this check",
+    )
 
 
 def _outside_vocabulary(labels: Tensor, outside: Tensor, unmasked: bool, vocab_size: int) -> MTPHooksError:

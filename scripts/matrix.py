@@ -111,7 +111,8 @@ def ensure_venv(venv: Path, interpreter: str, requirements: Path) -> Path:
 
 
 def ensure_target(python: Path, requirements: Path, target: Path) -> Path:
-    """``target`` holding ``requirements`` installed with ``--no-deps`` (reinstalled when the file changes)."""
+    """``target`` holding exactly ``requirements`` (``pip install --no-deps --target``), rebuilt
+    when the requirements file changes; meant to go first on ``PYTHONPATH`` over a base venv."""
     stamp = target / STAMP
     wanted = sha256(requirements)
     if stamp.exists() and stamp.read_text() == wanted:
@@ -129,11 +130,10 @@ def ensure_mcore(python: Path, version: str) -> Path:
     return ensure_target(python, ROOT / "requirements" / f"mcore-{version}.txt", ROOT / ".mcore" / version)
 
 
-def environment(target: Path, *overlays: Path) -> dict[str, str]:
-    """The environment of a run: ``target`` first on ``PYTHONPATH``, then ``overlays``, then the repository."""
+def environment(*targets: Path) -> dict[str, str]:
+    """The environment with ``targets`` (first shadows last) and the repository first on ``PYTHONPATH``."""
     env = dict(os.environ)
-    paths = [str(target), *map(str, overlays), str(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, targets), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("PYTHONHOME", None)
     return env
 

@@ -92,3 +92,18 @@ def test_grammatical_share_is_one_on_the_language_and_drops_on_a_broken_sequence
     broken = samples.clone()
     broken[:, 10] = language.vocab - 1  # an interior letter: wrong wherever the spelling does not call for it
     assert language.grammatical_share(broken, acceptance.PROMPT) < 1.0
+
+
+def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thread: None) -> None:
+    result = acceptance.run_seeds(SMALL, (0, 1), log=lambda line: None)
+    assert result["seeds"] == [0, 1] and [r["setting"]["seed"] for r in result["runs"]] == [0, 1]
+    summary = result["summary"]
+    for name in ("frozen", "ce", "distill", "tv"):
+        for i, cell in enumerate(summary["variants"][name]["accept_1"]):
+            values = [r["variants"][name]["accept_1"][i] for r in result["runs"]]
+            assert cell["n"] == 2 and cell["min"] == min(values) and cell["max"] == max(values)
+            assert cell["mean"] == pytest.approx(sum(values) / 2)
+    assert set(summary["verdict"]) == {"ce", "distill", "tv"}
+    assert all(0 <= v["seeds_above_frozen"] <= 2 for v in summary["verdict"].values())
+    text = acceptance.markdown(result)
+    assert "2 seeds (0, 1)" in text and "seeds above frozen" in text

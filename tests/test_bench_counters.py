@@ -93,3 +93,58 @@ def test_time_verdict_reads_within_noise_when_the_round_ratios_straddle_the_goal
     assert time_verdict(time_ratio([0.9, 1.1, 0.95, 1.0, 0.97], stock)) == NOISE
     ratio = time_ratio([2.0, 3.0, 1.0], [1.0, 2.0, 1.0])  # paired round by round, not medians divided
     assert ratio == {"median": 1.5, "min": 1.0, "max": 2.0, "rounds": 3}
+
+
+def test_in_place_addmm_counts_its_product() -> None:
+    from benchmarks.counters import count_flops
+
+    a, b, acc = torch.randn(8, 16), torch.randn(16, 4), torch.zeros(8, 4)
+    flops, _ = count_flops(lambda: acc.addmm_(a, b))
+    assert flops == 2 * 8 * 16 * 4
+    batched = torch.zeros(3, 8, 4)
+    flops, _ = count_flops(lambda: batched.baddbmm_(a.expand(3, 8, 16), b.expand(3, 16, 4)))
+    assert flops == 3 * 2 * 8 * 16 * 4
+
+
+def test_cpu_attention_counts_torchs_sdpa_formula_forward_and_backward() -> None:
+    import torch.nn.functional as F
+
+    from benchmarks.counters import count_flops
+
+    b, heads, s, d = 1, 2, 16, 8
+    q = torch.randn(b, heads, s, d, requires_grad=True)
+    forward, _ = count_flops(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert forward == 2 * (2 * b * heads * s * s * d)  # q @ k^T and p @ v, full s x s
+    total, _ = count_flops(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward())
+    assert total == forward + 5 * (2 * b * heads * s * s * d)  # torch's backward: five products of that size
+
+
+def test_host_to_device_counts_tensors_made_from_host_data_only() -> None:
+    from benchmarks.counters import HostToDevice
+
+    x = torch.ones(4)
+    with HostToDevice() as h2d:
+        _ = x * 0.5 + torch.full((4,), 2.0)  # Python numbers as kernel arguments: not counted
+    assert h2d.count == 0, dict(h2d.by_op)
+    with HostToDevice() as h2d:
+        torch.tensor([1.0, 2.0])
+        torch.scalar_tensor(3.0)
+    assert dict(h2d.by_op) == {"aten::lift_fresh": 1, "aten::scalar_tensor": 1}
+
+
+def test_check_fails_on_a_missed_exact_goal_or_a_skipped_variant_but_not_on_verl() -> None:
+    from benchmarks.run import failed_checks
+
+    ok = {"flops_ok": True, "detach_flops_ok": True, "inference_ok": True, "syncs_ok": True, "h2d_ok": True, "memory_ok": False}
+    result = {"points": {"V8-s4-N1": {"goals": dict(ok)}}, "refused": {"verl": "verl 0.9.1 is not importable"}}
+    assert failed_checks(result) == []  # memory is not checked, verl may be missing
+    result["points"]["V8-s4-N1"]["goals"]["syncs_ok"] = False
+    result["refused"]["hooks_dense"] = "refused"
+    assert failed_checks(result) == ["V8-s4-N1: syncs missed", "variant hooks_dense skipped: refused"]
+
+
+def test_time_verdict_straddling_the_threshold_reads_inconclusive() -> None:
+    from benchmarks.report import NOISE, time_ratio, time_verdict
+
+    assert NOISE == "inconclusive"
+    assert time_verdict(time_ratio([0.9, 1.1, 1.0], [1.0, 1.0, 1.0])) == "inconclusive"

@@ -1,0 +1,47 @@
+"""The README's commands that are not the test suite run and give the right verdict: ``make demo``
+(``python -m benchmarks.demo``) and a quiet ``import mtp_hooks``.
+
+Each runs in its own interpreter, as a new user runs it (the demo starts its own process group);
+the repository root goes first on ``PYTHONPATH``, the rest of it is kept, and this session's
+process-group rendezvous variables are not passed on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("PYTHONWARNINGS", None)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the demo's own process group
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_demo_matches_stock_and_exits_zero() -> None:
+    result = run_python("-m", "benchmarks.demo")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-4000:]}"
+    assert "same as stock within fp32 rounding" in result.stdout, result.stdout
+    assert "DIFFERENT" not in result.stdout, result.stdout
+
+
+def test_import_prints_no_megatron_notices() -> None:
+    result = run_python("-c", "import mtp_hooks")
+    assert result.returncode == 0, result.stderr
+    assert "not installed" not in result.stderr, result.stderr
+    assert result.stderr.strip() == "", result.stderr
+
+
+def test_import_leaves_warnings_raised_later_visible() -> None:
+    code = "import warnings, mtp_hooks; warnings.warn('Apex is not installed (raised by the user)'); print('done')"
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "raised by the user" in result.stderr, result.stderr
