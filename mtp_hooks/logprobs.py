@@ -2,7 +2,8 @@
 
 For RL losses that only need ``log p(label)`` and the entropy per token. Forward walks the tokens
 in chunks and keeps only the per-token log-sum-exp (and entropy); backward recomputes the logits
-one vocabulary slice at a time, each slice giving its own rows of the weight gradient.
+one vocabulary slice at a time, each slice giving its own rows of the weight gradient. Each
+chunk's (slice's) temporaries are freed before the next one is computed.
 Vocab-parallel: every reduction over the vocabulary runs over ``tp_group``. Knows nothing about
 hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's final hidden states.
 """
@@ -72,6 +73,7 @@ class LeanLogProbs(torch.autograd.Function):
             if with_entropy:
                 # H = log Z - E_q[z - max], with Z the partition function of the shifted logits.
                 entropy[rows] = reduced[1].log() - reduced[2] / reduced[1]
+            del logits, shifted, exp, sums, reduced  # one chunk's temporaries alive at a time
         ctx.chunk_size, ctx.tp_group, ctx.temperature = chunk_size, tp_group, temperature
         ctx.save_for_backward(hidden, weight, local, in_shard, lse, entropy)
         return logprobs, entropy
@@ -109,6 +111,7 @@ class LeanLogProbs(torch.autograd.Function):
                 d_hidden.addmm_(grad.to(dtype), weight[cols].to(dtype))
             if need_weight:
                 torch.mm(grad.t(), hidden, out=d_weight[cols])
+            del log_q, q, grad  # one slice's temporaries alive at a time
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None
