@@ -57,8 +57,11 @@ class LeanLogProbs(torch.autograd.Function):
         lse = torch.empty(tokens, dtype=dtype, device=hidden.device)
         logprobs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
-        for start in range(0, tokens, chunk_size):
-            rows = slice(start, min(start + chunk_size, tokens))
+        # With entropy a chunk holds two logits-sized temporaries (the logits and their exponentials):
+        # half as many tokens, so the chunk's memory stays that of one chunk of logits.
+        step = max(1, chunk_size // 2) if with_entropy else chunk_size
+        for start in range(0, tokens, step):
+            rows = slice(start, min(start + step, tokens))
             logits = _chunk_logits(hidden[rows], weight, temperature, dtype)
             row_max = all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
             target = logits.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1) * in_shard[rows]
@@ -89,9 +92,9 @@ class LeanLogProbs(torch.autograd.Function):
         d_weight = torch.empty_like(weight) if need_weight else None
         grad_logprobs = grad_logprobs.to(dtype).unsqueeze(-1)
         grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype).unsqueeze(-1)
-        # Vocabulary slices holding as many logits as a forward chunk: each gives its own rows of
-        # dW (no [V, h] accumulator) and adds its part of dh.
-        columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(tokens, 1))))
+        # Vocabulary slices with two slice-sized temporaries (log q and q) holding as many logits as
+        # one forward chunk: each gives its own rows of dW (no [V, h] accumulator) and adds its part of dh.
+        columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(2 * tokens, 1))))
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
             log_q = _chunk_logits(hidden, weight[cols], ctx.temperature, dtype).sub_(lse.unsqueeze(-1))
@@ -108,7 +111,7 @@ class LeanLogProbs(torch.autograd.Function):
                 grad.div_(ctx.temperature)
             grad = grad.to(weight.dtype)
             if need_hidden:
-                d_hidden.addmm_(grad.to(dtype), weight[cols].to(dtype))
+                torch.addmm(d_hidden, grad.to(dtype), weight[cols].to(dtype), out=d_hidden)
             if need_weight:
                 torch.mm(grad.t(), hidden, out=d_weight[cols])
             del log_q, q, grad  # one slice's temporaries alive at a time

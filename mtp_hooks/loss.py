@@ -329,7 +329,7 @@ class LeanMTPLoss(torch.autograd.Function):
                 factor = norm * upstream if norm is not None else upstream
                 if ctx.main_grad is not None:
                     ctx.main_grad.addcmul_(acc, factor)
-                    d_weight = placeholder_grad(ctx.weight, ctx.main_grad, ctx.hidden_dtype)
+                    d_weight = placeholder_grad(ctx.weight, ctx.main_grad, ctx.hidden_dtype, spent=acc)
                 else:  # scaled in the accumulator's precision, rounded once to the head's dtype
                     d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
                     torch.mul(acc, factor, out=d_weight)

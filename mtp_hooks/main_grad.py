@@ -36,20 +36,26 @@ def add_product_(main_grad: Tensor, grad: Tensor, hidden: Tensor) -> None:
     ``grad``: fp32 (or fp64) logit gradient ``[T, rows]``; ``hidden``: ``[T, H]`` in any dtype.
     """
     if main_grad.dtype == grad.dtype:
-        main_grad.addmm_(grad.t(), hidden.to(grad.dtype))
+        torch.addmm(main_grad, grad.t(), hidden.to(grad.dtype), out=main_grad)
     else:  # a half / bf16 main_grad (grad_reduce_in_fp32=False): fp32 product, rounded once on adding
         main_grad.add_(grad.t() @ hidden.to(grad.dtype))
 
 
-def placeholder_grad(weight: Tensor, main_grad: Tensor, dtype: torch.dtype) -> Optional[Tensor]:
+def placeholder_grad(weight: Tensor, main_grad: Tensor, dtype: torch.dtype, spent: Optional[Tensor] = None) -> Optional[Tensor]:
     """What mcore's output layer returns as the weight's gradient once it used ``main_grad``.
 
     Sets ``weight.grad_added_to_main_grad`` where the weight has it (mcore DDP) and returns zeros
     for a weight with ``zero_out_wgrad`` (DDP then adds ``.grad``: the embedding's share) or an
-    uninitialised tensor (DDP drops it); ``None`` without mcore DDP's attribute.
+    uninitialised tensor (DDP drops it); ``None`` without mcore DDP's attribute. ``spent``: a
+    buffer of the same shape whose content is no longer needed (the fused accumulator, already
+    added to ``main_grad``); it serves as the placeholder where its dtype matches, so nothing new
+    is allocated.
     """
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    make: Any = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    zero = getattr(weight, "zero_out_wgrad", False)
+    if spent is not None and spent.dtype == dtype and spent.shape == main_grad.shape:
+        return spent.zero_() if zero else spent
+    make: Any = torch.zeros if zero else torch.empty
     return make(main_grad.shape, dtype=dtype, device=main_grad.device)
