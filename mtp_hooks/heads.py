@@ -22,8 +22,10 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from mtp_hooks import _mcore
+from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
 from mtp_hooks.loss import choose_weight_grad, lean_mtp_loss
+from mtp_hooks.main_grad import follows_main_grad_protocol
 from mtp_hooks.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
 from mtp_hooks.targets import align_with_depths, mtp_targets
@@ -37,11 +39,44 @@ _LOGITS_CHUNK_BYTES = 256 * 2**20
 
 
 def auto_chunk_size(vocab_shard: int, tokens: int) -> int:
-    """Tokens per lean chunk: a power of two keeping one chunk's fp32 logits near 256 MiB and at
-    most about an eighth of all the logits (at least 16 tokens)."""
+    """Tokens per lean chunk, from a memory budget: the largest power of two whose fp32 logits
+    ``[chunk, V/tp]`` fit in 256 MiB (at least 16 tokens), and no more than the tokens there are.
+
+    Only one chunk's temporaries are alive at a time, so the budget bounds the loss's working
+    memory whatever the sequence length; fewer, larger GEMMs keep lean's time at stock's.
+    """
     budget = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
-    cap = 2 ** math.ceil(math.log2(max(-(-tokens // 8), 1)))
-    return max(16, min(2 ** int(math.log2(max(budget, 1))), cap))
+    chunk = max(16, 2 ** int(math.log2(max(budget, 1))))
+    return min(chunk, max(tokens, 1))
+
+
+def foreign_hooks(layer: nn.Module) -> bool:
+    """Whether a call of ``layer`` runs hooks that may change it: the layer's forward (pre-)hooks
+    and backward (pre-)hooks and torch's global module hooks, other than mtp_hooks' own and
+    torch's module trackers (``_TRANSPARENT_HOOK_MODULES``)."""
+    from torch.nn.modules import module as _module
+
+    registries = (
+        layer._forward_pre_hooks,
+        layer._forward_hooks,
+        layer._backward_pre_hooks,
+        layer._backward_hooks,
+        _module._global_forward_pre_hooks,
+        _module._global_forward_hooks,
+        _module._global_backward_pre_hooks,
+        _module._global_backward_hooks,
+    )
+    return any(not _is_own_hook(hook) for registry in registries for hook in registry.values())
+
+
+# Hooks that never change a call: mtp_hooks' own, and torch's module trackers (FlopCounterMode,
+# the memory and distributed trackers), which only record which module is running.
+_TRANSPARENT_HOOK_MODULES = ("mtp_hooks.", "torch.utils.module_tracker", "torch.distributed._tools.")
+
+
+def _is_own_hook(hook: Any) -> bool:
+    function = getattr(hook, "__func__", hook)
+    return str(getattr(function, "__module__", "")).startswith(_TRANSPARENT_HOOK_MODULES)
 
 
 def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
@@ -78,17 +113,20 @@ def attach_mtp_losses(
     Returns the main chunk (carrying the losses), the per-depth metric sums and the loss path
     taken (``loss_path``). ``weight`` is the output weight the MTP heads use (already detached
     when they must not train it). Normalisation follows the installed mcore release
-    (``_mcore.depth_coefficient``).
+    (``_mcore.depth_coefficient``). An output layer carrying hooks other than mtp_hooks' own
+    (``foreign_hooks``) takes the dense path: stock's MTP heads call the output layer, so its
+    hooks (soft-capping, adapters, monitors) act on them, and only a real call reproduces that.
     """
     chunks = split_block_output(block_output, depth)
     loss_scale = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
     cp_group = _mcore.cp_group_of(model)
     targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
-    original_tokens = labels.new_tensor(labels.numel()) if loss_mask is None else loss_mask.sum()
+    # A count made on the device, not a tensor built from a host value (a blocking copy on a GPU).
+    original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
     coefs = [_mcore.depth_coefficient(loss_scale / depth, per_token, original_tokens, n) for n in tokens]
-    if options.loss_impl == "dense":
+    if options.loss_impl == "dense" or foreign_hooks(layer):
         main, sums = chunks[0], []
         for k, (chunk, (labels_k, mask_k), coef) in enumerate(zip(chunks[1:], targets, coefs)):
             objective, ce_sum, correct = _dense_depth_loss(model, layer, chunk, weight, labels_k, mask_k, coef, call_head)
@@ -137,8 +175,8 @@ def _lean_loss(
     depth = len(targets)
     per_depth = hidden.shape[0] * hidden.shape[1] // depth
     masks = torch.stack([mask_k.t().reshape(-1) for _labels_k, mask_k in targets])  # [N, T]
-    coefficients = torch.stack([torch.as_tensor(c, dtype=masks.dtype, device=masks.device) for c in coefs])
-    token_weight = masks * coefficients.unsqueeze(-1)  # each depth's tokens weighted by its own coefficient
+    # Each depth's tokens weighted by its own coefficient (a tensor, or a plain number: no host-to-device copy).
+    token_weight = torch.stack([mask * coef for mask, coef in zip(masks, coefs)])
     path = options.loss_impl
     if path == "lean":
         path = choose_weight_grad(hidden.shape[-1], depth * per_depth)
@@ -152,6 +190,7 @@ def _lean_loss(
         options.objective,
         None if teachers is None else torch.cat([t.reshape(-1, t.shape[-1]) for t in teachers]),
         weight_grad=path,
+        main_grad_protocol=follows_main_grad_protocol(layer, weight),
     )
 
     def masked_sums(per_token: Tensor) -> Tensor:
@@ -174,7 +213,18 @@ def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_par
 
 
 def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:
-    """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``."""
+    """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``.
+
+    Scores the labels without calling the output layer, so hooks on it would not act on the
+    log-probs: an output layer with ``foreign_hooks`` is refused.
+    """
+    if foreign_hooks(layer):
+        raise MTPHooksError(
+            "output: output='logprobs' computes the log-probs without calling the output layer, so the hooks "
+            "registered on it (or torch's global module hooks) would not act on them\n"
+            "  expected: an output layer without hooks other than mtp_hooks' own\n"
+            "  received: an output layer carrying other hooks; use output='logits' (the default) to keep them"
+        )
     tp_group = _mcore.tp_group_of(layer)
     full = head_input(layer, hidden, tp_group)
     s, b = full.shape[0], full.shape[1]

@@ -2,7 +2,8 @@
 
 For RL losses that only need ``log p(label)`` and the entropy per token. Forward walks the tokens
 in chunks and keeps only the per-token log-sum-exp (and entropy); backward recomputes the logits
-one vocabulary slice at a time, each slice giving its own rows of the weight gradient.
+one vocabulary slice at a time, each slice giving its own rows of the weight gradient. Each
+chunk's (slice's) temporaries are freed before the next one is computed.
 Vocab-parallel: every reduction over the vocabulary runs over ``tp_group``. Knows nothing about
 hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's final hidden states.
 """
@@ -56,8 +57,11 @@ class LeanLogProbs(torch.autograd.Function):
         lse = torch.empty(tokens, dtype=dtype, device=hidden.device)
         logprobs = torch.empty_like(lse)
         entropy = torch.zeros_like(lse)
-        for start in range(0, tokens, chunk_size):
-            rows = slice(start, min(start + chunk_size, tokens))
+        # With entropy a chunk holds two logits-sized temporaries (the logits and their exponentials):
+        # half as many tokens, so the chunk's memory stays that of one chunk of logits.
+        step = max(1, chunk_size // 2) if with_entropy else chunk_size
+        for start in range(0, tokens, step):
+            rows = slice(start, min(start + step, tokens))
             logits = _chunk_logits(hidden[rows], weight, temperature, dtype)
             row_max = all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
             target = logits.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1) * in_shard[rows]
@@ -72,6 +76,7 @@ class LeanLogProbs(torch.autograd.Function):
             if with_entropy:
                 # H = log Z - E_q[z - max], with Z the partition function of the shifted logits.
                 entropy[rows] = reduced[1].log() - reduced[2] / reduced[1]
+            del logits, shifted, exp, sums, reduced  # one chunk's temporaries alive at a time
         ctx.chunk_size, ctx.tp_group, ctx.temperature = chunk_size, tp_group, temperature
         ctx.save_for_backward(hidden, weight, local, in_shard, lse, entropy)
         return logprobs, entropy
@@ -87,9 +92,9 @@ class LeanLogProbs(torch.autograd.Function):
         d_weight = torch.empty_like(weight) if need_weight else None
         grad_logprobs = grad_logprobs.to(dtype).unsqueeze(-1)
         grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype).unsqueeze(-1)
-        # Vocabulary slices holding as many logits as a forward chunk: each gives its own rows of
-        # dW (no [V, h] accumulator) and adds its part of dh.
-        columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(tokens, 1))))
+        # Vocabulary slices with two slice-sized temporaries (log q and q) holding as many logits as
+        # one forward chunk: each gives its own rows of dW (no [V, h] accumulator) and adds its part of dh.
+        columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(2 * tokens, 1))))
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
             log_q = _chunk_logits(hidden, weight[cols], ctx.temperature, dtype).sub_(lse.unsqueeze(-1))
@@ -106,9 +111,10 @@ class LeanLogProbs(torch.autograd.Function):
                 grad.div_(ctx.temperature)
             grad = grad.to(weight.dtype)
             if need_hidden:
-                d_hidden.addmm_(grad.to(dtype), weight[cols].to(dtype))
+                torch.addmm(d_hidden, grad.to(dtype), weight[cols].to(dtype), out=d_hidden)
             if need_weight:
                 torch.mm(grad.t(), hidden, out=d_weight[cols])
+            del log_q, q, grad  # one slice's temporaries alive at a time
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
+from mtp_hooks.main_grad import add_product_, placeholder_grad
 from mtp_hooks.vocab_parallel import (
     ProcessGroup,
     accumulation_dtype,
@@ -87,17 +88,17 @@ def _mm_accumulates_low_precision(device: torch.device, dtype: torch.dtype, acc_
     return True
 
 
-def _add_weight_grad_(acc: Tensor, grad: Tensor, grad_low: Tensor, hidden: Tensor) -> None:
-    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype``.
+def _add_weight_grad_(acc: Tensor, grad: Tensor, hidden: Tensor) -> None:
+    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype`` (``grad``: the chunk's logit gradient, in ``acc.dtype``).
 
-    ``grad``: the chunk's logit gradient in ``acc.dtype``; ``grad_low``: the same in the head's
-    dtype (already made for the hidden-state gradient). Low-precision operands go through a GEMM
-    with an ``acc.dtype`` output where torch has one for the device, else are upcast.
+    Low-precision operands go through a GEMM with an ``acc.dtype`` output where torch has one for
+    the device (``grad`` is then rounded to the head's dtype: it is at unit scale, see
+    ``LeanMTPLoss``), else are upcast.
     """
     if hidden.dtype == acc.dtype:
         torch.addmm(acc, grad.t(), hidden, out=acc)
-    elif grad_low.dtype == hidden.dtype and _mm_accumulates_low_precision(hidden.device, hidden.dtype, acc.dtype):
-        torch.addmm(acc, grad_low.t(), hidden, out_dtype=acc.dtype, out=acc)
+    elif _mm_accumulates_low_precision(hidden.device, hidden.dtype, acc.dtype):
+        torch.addmm(acc, grad.to(hidden.dtype).t(), hidden, out_dtype=acc.dtype, out=acc)
     else:
         torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
 
@@ -115,26 +116,29 @@ def _logit_grad(
     sign_q: Optional[Tensor],
     local: Tensor,
     in_shard: Tensor,
-    token_weight: Tensor,
+    token_weight: Optional[Tensor],
     first: int = 0,
 ) -> Tensor:
     """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``q``.
 
     ``q``: the MTP head's softmax on those columns; ``p``: the main head's (teacher) softmax;
-    ``sign_q``: per token ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only).
+    ``sign_q``: per token ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only);
+    ``token_weight`` ``None``: every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``).
     """
-    w = token_weight.unsqueeze(-1)
     if objective == "ce":  # softmax - onehot
-        grad = q.mul_(w)
+        grad = q if token_weight is None else q.mul_(token_weight.unsqueeze(-1))
         columns = grad.shape[-1]
         index = local - first
         inside = in_shard & (index >= 0) & (index < columns)
-        return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), (-(token_weight * inside)).unsqueeze(-1))
+        step = inside.to(grad.dtype) if token_weight is None else token_weight * inside
+        return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), step.neg_().unsqueeze(-1))
     assert p is not None
     if objective == "distill":  # q - p
-        return q.sub_(p).mul_(w)
+        grad = q.sub_(p)
+        return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
     assert sign_q is not None  # tv: 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
-    return torch.sign(q - p).sub_(sign_q.unsqueeze(-1)).mul_(q).mul_(0.5 * w)
+    grad = torch.sign(q - p).sub_(sign_q.unsqueeze(-1)).mul_(q).mul_(0.5)
+    return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
 
 
 class _Chunk:
@@ -214,13 +218,22 @@ class LeanMTPLoss(torch.autograd.Function):
     with a teacher, per-token argmax agreement and expected acceptance ``sum min(p, q)``.
 
     The hidden-state gradient is computed during forward (the objective's upstream gradient is
-    a scalar). ``weight_grad`` says how the head weight's gradient is made: ``"recompute"``
-    recomputes logits in backward, one vocabulary slice at a time; ``"fused"`` accumulates it
-    during forward into one ``[V/tp, H]`` buffer (fp32 for half, bf16 and fp32 inputs), the only
-    tensor kept for it, which backward scales by the upstream gradient. With the weight detached
-    neither does any weight-gradient work. Tokens are independent, so the caller may pass
-    several depths' tokens at once (each carrying its own coefficient in ``token_weight``) and
-    split the per-token outputs; fused, the depths then share one accumulator.
+    a scalar), with the token weights folded in where the head's dtype can hold them (fp32,
+    bf16: rounded where stock rounds its logit gradient) and at unit weight for fp16. Backward
+    multiplies it by the upstream gradient (and fp16's token weights) in fp32 and rounds once,
+    so a loss scaler's 2^16 .. 2^32, a schedule's 1/7 or a coefficient of 1e-6 never meets half
+    precision before it is applied; stock's dense path scales its fp32 CE gradient before
+    casting it, too. ``weight_grad`` says how the head weight's gradient is made:
+    ``"recompute"`` recomputes logits in backward, one vocabulary slice at a time; ``"fused"``
+    accumulates it during forward into one ``[V/tp, H]`` buffer (fp32 for half, bf16 and fp32
+    inputs; token weights normalised by their largest, so half-precision GEMM operands stay at
+    unit scale), which backward scales by the upstream gradient. With ``main_grad_protocol``
+    (``main_grad.follows_main_grad_protocol``) backward adds the weight gradient to
+    ``weight.main_grad`` and returns mcore's placeholder, as mcore's output layer does. With the
+    weight detached neither does any weight-gradient work. Tokens are independent, so the caller
+    may pass several depths' tokens at once (each carrying its own coefficient in
+    ``token_weight``) and split the per-token outputs; fused, the depths then share one
+    accumulator. Each chunk's temporaries are freed before the next chunk is computed.
     """
 
     @staticmethod
@@ -235,6 +248,7 @@ class LeanMTPLoss(torch.autograd.Function):
         chunk_size: int,
         objective: str,
         weight_grad: str = "recompute",
+        main_grad_protocol: bool = False,
     ) -> tuple[Tensor, ...]:
         tokens = hidden.shape[0]
         acc_dtype = accumulation_dtype(hidden.dtype)
@@ -242,35 +256,48 @@ class LeanMTPLoss(torch.autograd.Function):
         token_weight = token_weight.to(acc_dtype)
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fused = need_weight_grad and weight_grad == "fused"
-        need_logit_grad = need_hidden_grad or fused
         acc = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if fused else None
+        # The fused accumulator takes token weights relative to the largest (applied back in backward).
+        norm = token_weight.abs().amax().clamp(min=torch.finfo(acc_dtype).tiny) if fused and tokens else None
+        relative = None if norm is None else token_weight / norm
         teacher_weight = weight.detach()
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
         lse_teacher, sign_q, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype)
         correct, agree = new(torch.bool), new(torch.bool)
+        # The hidden-state gradient made in forward carries the token weights where the head's dtype
+        # can hold them (rounded where stock rounds its logit gradient); fp16 cannot hold
+        # ``coef * softmax`` (2.4e-5 * 1e-5 is below its smallest normal), so there it is made at
+        # unit weight and backward applies the weights in fp32.
+        fold = hidden.dtype != torch.float16
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, tokens))
             logits = (hidden[rows] @ weight.t()).to(acc_dtype)
             teacher_logits = None if teacher is None else (teacher[rows] @ teacher_weight.t()).to(acc_dtype)
             chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group)
+            del logits, teacher_logits
             lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
             if teacher is not None:
                 lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
                 if chunk.sign_q is not None:
                     sign_q[rows] = chunk.sign_q
-            if need_logit_grad:
-                grad = _logit_grad(objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], token_weight[rows])
-                grad_low = grad.to(weight.dtype)
-                if need_hidden_grad:
-                    hidden_grad[rows] = (grad_low @ weight).to(hidden.dtype)
-                if acc is not None:
-                    _add_weight_grad_(acc, grad, grad_low, hidden[rows])
+            if hidden_grad is not None or acc is not None:
+                weights = token_weight[rows] if fold else None
+                grad = _logit_grad(objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], weights)
+                if hidden_grad is not None:
+                    hidden_grad[rows] = grad.to(weight.dtype) @ weight
+                if acc is not None and relative is not None:
+                    grad = grad.div_(norm) if fold else grad.mul_(relative[rows].unsqueeze(-1))
+                    _add_weight_grad_(acc, grad, hidden[rows])
+                del grad
+            del chunk  # one chunk's temporaries alive at a time
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
         ctx.recompute = need_weight_grad and not fused
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.hidden_dtype, ctx.fold = weight.dtype, hidden.dtype, fold
+        ctx.main_grad = weight.main_grad if need_weight_grad and main_grad_protocol else None
+        ctx.weight = weight if ctx.main_grad is not None else None
         if ctx.recompute:
             ctx.save_for_backward(
                 hidden_grad,
@@ -285,43 +312,65 @@ class LeanMTPLoss(torch.autograd.Function):
                 sign_q,
             )
         else:
-            ctx.save_for_backward(hidden_grad, acc)
+            ctx.save_for_backward(hidden_grad, None if fold else token_weight, acc, norm)
         ctx.mark_non_differentiable(ce, correct, agree, accept)
         return result, ce, correct, agree, accept
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+        nones = (None,) * 8
         if not ctx.recompute:
-            hidden_grad, acc = ctx.saved_tensors
-            d_hidden = None if hidden_grad is None else hidden_grad * grad_objective.to(hidden_grad.dtype)
+            hidden_grad, token_weight, acc, norm = ctx.saved_tensors
+            upstream = grad_objective.to(accumulation_dtype(ctx.hidden_dtype))  # never rounded to the head's dtype
+            d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
             d_weight = None
-            if acc is not None:  # scaled in the accumulator's precision, rounded once to the head's dtype
-                d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
-                torch.mul(acc, grad_objective.to(acc.dtype), out=d_weight)
-            return d_hidden, d_weight, None, None, None, None, None, None, None
+            if acc is not None:
+                factor = norm * upstream if norm is not None else upstream
+                if ctx.main_grad is not None:
+                    ctx.main_grad.addcmul_(acc, factor)
+                    d_weight = placeholder_grad(ctx.weight, ctx.main_grad, ctx.hidden_dtype, spent=acc)
+                else:  # scaled in the accumulator's precision, rounded once to the head's dtype
+                    d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
+                    torch.mul(acc, factor, out=d_weight)
+            return d_hidden, d_weight, *nones
         hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, sign_q = ctx.saved_tensors
-        d_hidden = None
-        if hidden_grad is not None:
-            d_hidden = hidden_grad * grad_objective.to(hidden_grad.dtype)
-        d_weight = None
-        if weight is not None:
-            # Vocabulary slices with as many logits as a forward chunk, and at most a quarter of the
-            # shard (backward runs while the model's activation gradients are live); each slice
-            # gives its own rows of dW.
-            tokens, shard = hidden.shape[0], weight.shape[0]
-            columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
-            scaled = token_weight * grad_objective.to(lse.dtype)
-            d_weight = torch.empty_like(weight)
-            for first in range(0, shard, columns):
-                cols = slice(first, min(first + columns, shard))
-                q = (hidden @ weight[cols].t()).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
-                p = None
-                if teacher is not None:
-                    p = (teacher @ weight[cols].t()).to(lse.dtype).sub_(lse_teacher.unsqueeze(-1)).exp_()
-                grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
+        upstream = grad_objective.to(lse.dtype)
+        scaled = token_weight * upstream
+        d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
+        # Vocabulary slices with as many logits as a forward chunk, and at most a quarter of the
+        # shard (backward runs while the model's activation gradients are live); each slice
+        # gives its own rows of dW (or adds them to main_grad).
+        tokens, shard = hidden.shape[0], weight.shape[0]
+        columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
+        main_grad = ctx.main_grad
+        d_weight = torch.empty_like(weight) if main_grad is None else None
+        for first in range(0, shard, columns):
+            cols = slice(first, min(first + columns, shard))
+            q = (hidden @ weight[cols].t()).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+            p = None
+            if teacher is not None:
+                p = (teacher @ weight[cols].t()).to(lse.dtype).sub_(lse_teacher.unsqueeze(-1)).exp_()
+            grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
+            del q, p
+            if main_grad is not None:
+                add_product_(main_grad[cols], grad, hidden)
+            else:
                 torch.mm(grad.to(weight.dtype).t(), hidden, out=d_weight[cols])
-        return d_hidden, d_weight, None, None, None, None, None, None, None
+            del grad
+        if main_grad is not None:
+            d_weight = placeholder_grad(ctx.weight, main_grad, ctx.hidden_dtype)
+        return d_hidden, d_weight, *nones
+
+
+def _scale_rows(hidden_grad: Tensor, token_weight: Optional[Tensor], upstream: Tensor, folded: bool) -> Tensor:
+    """``hidden_grad * upstream`` (times ``token_weight`` per row unless ``folded`` in forward),
+    multiplied in fp32 (fp64) and rounded once to ``hidden_grad``'s dtype."""
+    if folded or token_weight is None:
+        rows = upstream.expand(hidden_grad.shape[0])  # a [T] operand: the product is computed in fp32
+    else:
+        rows = token_weight * upstream
+    return torch.mul(hidden_grad, rows.unsqueeze(-1), out=torch.empty_like(hidden_grad))
 
 
 def lean_mtp_loss(
@@ -334,11 +383,13 @@ def lean_mtp_loss(
     objective: str = "ce",
     teacher: Optional[Tensor] = None,
     weight_grad: str = "recompute",
+    main_grad_protocol: bool = False,
 ) -> HeadLoss:
     """Functional form of ``LeanMTPLoss`` (see there); ``agree`` / ``accept`` are ``None`` without a teacher.
 
     ``weight_grad``: ``"recompute"`` (default) or ``"fused"``; see ``choose_weight_grad`` for
-    which keeps less memory. To share the fused accumulator over MTP depths, pass their tokens
+    which keeps less memory. ``main_grad_protocol``: add the weight gradient to
+    ``weight.main_grad`` as mcore's output layer does (``main_grad``). To share the fused accumulator over MTP depths, pass their tokens
     concatenated (``hidden``, ``labels``, ``token_weight`` with each depth's coefficient, and
     ``teacher``) and split the per-token outputs back by depth.
     """
@@ -349,7 +400,7 @@ def lean_mtp_loss(
     if weight_grad not in WEIGHT_GRAD_MODES:
         raise bad_argument("weight_grad", f"one of {WEIGHT_GRAD_MODES}", repr(weight_grad))
     result, ce, correct, agree, accept = LeanMTPLoss.apply(
-        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective, weight_grad
+        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective, weight_grad, main_grad_protocol
     )
     if teacher is None:
         return HeadLoss(result, ce, correct, None, None)

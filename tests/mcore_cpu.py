@@ -629,3 +629,51 @@ def thd_params(real: list[int], slot: list[int]) -> tuple[Any, Any]:
 
     given = params(cu_real, cu_slot) if padded else params(cu_slot, None)
     return given, params(cu_slot, cu_slot if padded else None)
+
+
+class _FusedWeightGradientKernels:
+    """CPU stand-in for Apex's ``fused_weight_gradient_mlp_cuda`` (mcore's gradient-accumulation fusion).
+
+    ``wgrad_gemm_accum_fp32(input, grad_output, main_grad)``: one GEMM ``grad_output.T @ input``
+    of the 2-D operands, accumulated in fp32 and added to the fp32 ``main_grad`` (cuBLAS with
+    ``beta = 1``). ``wgrad_gemm_accum_fp16``: the same into a half / bf16 ``main_grad``, the sum
+    computed in fp32 and rounded once to its dtype.
+    """
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
+        assert main_grad.dtype == torch.float32 and input.dim() == grad_output.dim() == 2
+        torch.addmm(main_grad, grad_output.detach().t().float(), input.detach().float(), out=main_grad)  # out=: counted by FlopCounterMode
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
+        assert main_grad.dtype in (torch.float16, torch.bfloat16) and input.dim() == grad_output.dim() == 2
+        main_grad.copy_(torch.addmm(main_grad.float(), grad_output.t().float(), input.float()))
+
+
+@contextlib.contextmanager
+def fused_wgrad_kernel_on_cpu() -> Iterator[None]:
+    """While open, mcore finds ``fused_weight_gradient_mlp_cuda`` (the CPU stand-in above), so
+    layers built with ``gradient_accumulation_fusion=True`` construct and run on CPU."""
+    import sys
+
+    from megatron.core.tensor_parallel import layers
+
+    kernels = _FusedWeightGradientKernels()
+    saved_module = sys.modules.get("fused_weight_gradient_mlp_cuda")
+    saved = {name: getattr(layers, name) for name in ("fused_weight_gradient_mlp_cuda", "_grad_accum_fusion_available") if hasattr(layers, name)}
+    sys.modules["fused_weight_gradient_mlp_cuda"] = kernels  # type: ignore[assignment]
+    layers.fused_weight_gradient_mlp_cuda = kernels  # type: ignore[attr-defined]
+    layers._grad_accum_fusion_available = True
+    try:
+        yield
+    finally:
+        if saved_module is None:
+            sys.modules.pop("fused_weight_gradient_mlp_cuda", None)
+        else:
+            sys.modules["fused_weight_gradient_mlp_cuda"] = saved_module
+        for name in ("fused_weight_gradient_mlp_cuda", "_grad_accum_fusion_available"):
+            if name in saved:
+                setattr(layers, name, saved[name])
+            elif hasattr(layers, name):
+                delattr(layers, name)
