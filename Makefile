@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs verl-env test-verl
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,18 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
 
+# verl 0.9.1 (requirements/verl.txt, exact pins) in .verl/py311 and .verl/py312, installed with
+# --no-deps --target and put on PYTHONPATH over .venv / .venv-py312 (scripts/verl_env.py), and the
+# verl integration tests (tests/test_verl*.py) on megatron-core 0.16.1 and 0.19.2. They fail,
+# not skip, when verl cannot be imported. PYTHONPATH=.verl/py311 .venv/bin/python imports verl.
+VERL_OPTS = $(if $(PY312),--python312 $(PY312))
+
+verl-env: venv  ## build .verl/py311 and .verl/py312 (verl 0.9.1 over the base venvs)
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) --build-only
+
+test-verl: venv  ## the verl 0.9.1 integration tests on megatron-core 0.16.1 and 0.19.2
+	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) -- $(PYTEST_ARGS)
+
 bench: venv  ## the main job: benchmark against stock mcore (default CPU config: exact FLOPs, memory, syncs; timed rounds)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
@@ -43,4 +55,4 @@ examples: venv  ## run examples/quickstart.py and examples/rl_step.py
 	$(PY) examples/rl_step.py
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) bench-out .verl

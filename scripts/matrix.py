@@ -110,15 +110,14 @@ def ensure_venv(venv: Path, interpreter: str, requirements: Path) -> Path:
     return python
 
 
-def ensure_mcore(python: Path, version: str) -> Path:
-    """``.mcore/<version>`` holding that megatron-core (and its pinned extras), no other deps."""
-    requirements = ROOT / "requirements" / f"mcore-{version}.txt"
-    target = ROOT / ".mcore" / version
+def ensure_target(python: Path, requirements: Path, target: Path) -> Path:
+    """``target`` holding exactly ``requirements`` (``pip install --no-deps --target``), rebuilt
+    when the requirements file changes; meant to go first on ``PYTHONPATH`` over a base venv."""
     stamp = target / STAMP
     wanted = sha256(requirements)
     if stamp.exists() and stamp.read_text() == wanted:
         return target
-    log(f"installing megatron-core {version} into .mcore/{version}")
+    log(f"installing {requirements.relative_to(ROOT)} into {target.relative_to(ROOT)}")
     if target.exists():
         shutil.rmtree(target)
     run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), "-r", str(requirements)])
@@ -126,9 +125,15 @@ def ensure_mcore(python: Path, version: str) -> Path:
     return target
 
 
-def environment(target: Path) -> dict[str, str]:
+def ensure_mcore(python: Path, version: str) -> Path:
+    """``.mcore/<version>`` holding that megatron-core (and its pinned extras), no other deps."""
+    return ensure_target(python, ROOT / "requirements" / f"mcore-{version}.txt", ROOT / ".mcore" / version)
+
+
+def environment(*targets: Path) -> dict[str, str]:
+    """The environment with ``targets`` (first shadows last) and the repository first on ``PYTHONPATH``."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(target), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, targets), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("PYTHONHOME", None)
     return env
 
