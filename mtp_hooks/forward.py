@@ -37,7 +37,7 @@ from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.logprobs import TokenLogProbs
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
-from mtp_hooks.proxies import ConfigView, DetachedEmbedding
+from mtp_hooks.proxies import ConfigView, DetachedEmbedding, NoRecomputeConfig
 from mtp_hooks.targets import packed_layout
 
 HookResult = Optional[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -49,6 +49,7 @@ class MicroBatch:
 
     labels: Tensor
     loss_mask: Optional[Tensor]
+    loss_scale: Any = None  # a multiplier of this micro-batch's MTP loss (float or 0-d tensor), None = 1
     used: bool = False
     scoped: bool = False  # armed by ``with micro_batch(...)``: stays until the block ends
     thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
@@ -65,6 +66,7 @@ class ForwardState:
     attached: bool = False
     loss_path: Optional[str] = None  # how the MTP losses were computed (``MTPHooks.loss_path``)
     in_own_head_call: bool = False
+    loss_scale: Any = None  # this forward's MTP loss multiplier: micro_batch(loss_scale=) x call_loss_scale
     # Metrics of this forward, added to the running sums only once the forward has completed.
     metrics: list[heads.DepthSums] = dataclasses.field(default_factory=list)
     # Set when switching ``mtp_process`` off changed ``shared_embedding_or_output_weight()``.
@@ -126,7 +128,7 @@ class ForwardHooks:
         return handles
 
     # ------------------------------------------------------------ micro-batch targets
-    def arm(self, labels: Tensor, loss_mask: Optional[Tensor]) -> MicroBatch:
+    def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any = None) -> MicroBatch:
         """Make ``labels`` / ``loss_mask`` the targets of this thread's next forward."""
         self.recover_interrupted()
         pending = self.pending
@@ -141,7 +143,7 @@ class ForwardHooks:
                 "a second micro_batch(...) while the targets of the first were not used by any forward",
             )
         check_targets(labels, loss_mask, self.options.validate)
-        self.pending = MicroBatch(labels, loss_mask)
+        self.pending = MicroBatch(labels, loss_mask, check_loss_scale("loss_scale", loss_scale))
         return self.pending
 
     def disarm(self, targets: MicroBatch) -> None:
@@ -201,11 +203,22 @@ class ForwardHooks:
             if targets is None:
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
             state.head_labels = targets.labels
+        if train:
+            state.loss_scale = self._loss_scale(state.targets, args, kwargs)
         if not train and model.mtp_process:
             self._skip_mtp_block(model, state)
         model.config = ConfigView(model.config)
         self.forward = state
         return args, kwargs
+
+    def _loss_scale(self, targets: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The MTP loss multiplier of a training forward: the targets' times ``call_loss_scale``'s."""
+        scale = targets.loss_scale
+        if self.options.call_loss_scale is not None:
+            from_call = check_loss_scale("call_loss_scale", self.options.call_loss_scale(self._arguments.named(args, kwargs)))
+            if from_call is not None:
+                scale = from_call if scale is None else scale * from_call
+        return scale
 
     @staticmethod
     def _skip_mtp_block(model: nn.Module, state: ForwardState) -> None:
@@ -270,6 +283,7 @@ class ForwardHooks:
                 state.targets.loss_mask,
                 state.packed_seq_params,
                 lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
+                state.loss_scale,
             )
             state.attached = True
         elif state.head_labels is None:
@@ -294,6 +308,12 @@ class ForwardHooks:
         packed = kwargs.get("packed_seq_params")
         if self.forward is None or packed is None:
             return None
+        if self.forward.train and block.training and _mcore.recompute_breaks_packed(block.config):
+            # Stock recompute would hand the PackedSeqParams to save_for_backward (TypeError):
+            # these MTP layers run without recompute for this forward (same gradients).
+            for layer in block.layers:
+                self.forward.restore.append((layer, "config", layer.config))
+                layer.config = NoRecomputeConfig(layer.config)
         layout = packed_layout(packed)
         if layout is packed:
             return None
@@ -312,6 +332,11 @@ class ForwardHooks:
             return None
         if "embedding" in kwargs and kwargs["embedding"] is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
+        dynamic_cp = getattr(kwargs.get("packed_seq_params"), "cp_group", None)
+        if dynamic_cp is not None and getattr(layer, "cp_group", dynamic_cp) is not dynamic_cp:
+            # The micro-batch's own CP group for the shifted input ids (dynamic context parallelism).
+            state.restore.append((layer, "cp_group", layer.cp_group))
+            layer.cp_group = dynamic_cp
         if state.mtp_layer_calls == 0 or self.options.detach_between_depths:
             # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
             # stays attached). Later depths, with detach_between_depths: the previous depth's output.
@@ -349,6 +374,15 @@ class ForwardHooks:
             self.forward.restore_all()
             self.forward = None
         self.pending = None
+
+
+def check_loss_scale(name: str, value: Any) -> Any:
+    """``value`` if it is a valid MTP loss multiplier (``None``, a float >= 0, a 0-d floating tensor)."""
+    if value is None or (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise bad_argument(name, "None, a float >= 0 or a 0-d floating tensor (a multiplier of the micro-batch's MTP loss)", repr(value))
 
 
 def other_thread(name: str, what: str) -> MTPHooksError:

@@ -16,7 +16,7 @@ read on the chunk with the output layer, which must also hold the MTP layers.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -132,7 +132,7 @@ class MTPHooks:
     def chunk_size(self) -> Optional[int]:
         return self.options.chunk_size
 
-    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> MicroBatchTargets:
+    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None) -> MicroBatchTargets:
         """Make the next forward a training micro-batch with these ``[b, s]`` targets.
 
         Takes effect when called: the next forward of the model from this thread uses them.
@@ -143,13 +143,14 @@ class MTPHooks:
 
         ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
         them. The forward trains MTP only if gradients are enabled; otherwise it is an inference
-        micro-batch.
+        micro-batch. ``loss_scale`` (a float >= 0 or a 0-d tensor, no host sync) multiplies this
+        micro-batch's MTP loss, e.g. a per-micro-batch MTP gradient scale or 0 to gate it off.
 
         One thread at a time: while targets are armed or a forward is in flight, a
         ``micro_batch`` or forward from another thread raises ``MTPHooksError`` (the hooks swap
         attributes of the shared model for the length of a forward).
         """
-        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask))
+        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask, loss_scale))
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
@@ -199,6 +200,8 @@ def attach(
     entropy: bool = False,
     temperature: float = 1.0,
     validate: Validate = "device",
+    per_token_rescale: Optional[bool] = None,
+    call_loss_scale: Optional[Callable[[Mapping[str, Any]], Any]] = None,
 ) -> MTPHooks:
     """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
 
@@ -245,6 +248,13 @@ def attach(
             vocabulary): ``"device"`` (default) without a host sync, by device-side asserts
             (immediate ``MTPHooksError`` on CPU; a CUDA device-side assert on GPU);
             ``"host"`` with one host sync per check and a full ``MTPHooksError``; ``"off"``.
+        per_token_rescale: with ``config.calculate_per_token_loss``, whether depth k's loss is
+            rescaled by original / rolled token count (stock 0.17.1+) or not (stock 0.14 - 0.16);
+            ``None`` follows the installed release.
+        call_loss_scale: called at the start of every training forward with that forward's
+            arguments by name (``input_ids``, ``packed_seq_params``, ...); returns a multiplier of
+            the micro-batch's MTP loss (float or 0-d tensor) or ``None``. Multiplies
+            ``micro_batch(loss_scale=)``.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
@@ -279,6 +289,8 @@ def attach(
         entropy=entropy,
         temperature=temperature,
         validate=validate,
+        per_token_rescale=per_token_rescale,
+        call_loss_scale=call_loss_scale,
     )
     options.check_config(language_model.config)
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:

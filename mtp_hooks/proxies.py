@@ -3,6 +3,8 @@
 * ``ConfigView`` reads ``mtp_num_layers`` as ``None`` and forwards everything else (reads and
   writes) to the real ``TransformerConfig``. Installed on the language model only: its
   submodules keep their own reference to the real config.
+* ``NoRecomputeConfig`` reads ``recompute_granularity`` as ``None``: put on an MTP layer whose
+  stock recompute cannot take a packed batch (``_mcore.RECOMPUTE_SAVES_PACKED_SEQ_PARAMS``).
 * ``DetachedEmbedding`` calls the real embedding module and detaches what it returns, so the
   MTP layers learn from the next-token embeddings without sending gradient into them.
 """
@@ -30,6 +32,20 @@ class ConfigView(_ObjectProxy):  # type: ignore[misc]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError("ConfigView is a per-forward view of a TransformerConfig; copy the config itself")
+
+
+class NoRecomputeConfig(_ObjectProxy):  # type: ignore[misc]
+    """A ``TransformerConfig`` that reports no activation recompute; everything else forwarded."""
+
+    @property
+    def recompute_granularity(self) -> None:
+        return None
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError("NoRecomputeConfig is a per-forward view of a TransformerConfig; copy the config itself")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError("NoRecomputeConfig is a per-forward view of a TransformerConfig; copy the config itself")
 
 
 class DetachedEmbedding(_ObjectProxy):  # type: ignore[misc]
