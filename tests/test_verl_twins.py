@@ -10,6 +10,9 @@ rounding. Runs on whichever megatron-core is installed (``make test-verl``: 0.16
 from __future__ import annotations
 
 import dataclasses
+import textwrap
+import types
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -235,3 +238,22 @@ def test_attach_engine_mtp_attaches_every_chunk_and_remove_restores_stock() -> N
     for h in hooks:
         h.remove()
     assert all(mtp_hooks.hooks_of(c) is None for c in chunks)
+
+
+def readme_switch() -> str:
+    """The "after" block of the README's verl migration guide (the one the user pastes into verl)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = text.split("<!-- verl:switch -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    return textwrap.dedent(block)
+
+
+def test_readme_switch_is_one_import_and_one_call_and_trains_like_verl() -> None:
+    code = readme_switch()
+    assert [line.split()[0] for line in code.splitlines()] == ["if", "from", "self.mtp_hooks"], code
+    config = model_config(verl, True)
+    patched, hooked = shape_for(2, tied=False, per_token=False).build(7), shape_for(2, tied=False, per_token=False).build(7)
+    verl.megatron_utils.patch_engine_mtp(patched, config)
+    engine = types.SimpleNamespace(module=[hooked], model_config=config)  # verl's engine at that line
+    exec(code, {}, {"self": engine})
+    assert [h.model for h in engine.mtp_hooks] == [hooked]
+    assert_twins_equal(patched, hooked, make_inputs("thd"), exact=False)
