@@ -257,3 +257,23 @@ def test_readme_switch_is_one_import_and_one_call_and_trains_like_verl() -> None
     exec(code, {}, {"self": engine})
     assert [h.model for h in engine.mtp_hooks] == [hooked]
     assert_twins_equal(patched, hooked, make_inputs("thd"), exact=False)
+
+
+def test_dynamic_cp_group_of_the_micro_batch_serves_the_embedding_path_and_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``packed_seq_params.cp_group`` (dynamic CP) the MTP layers' shifted ids and the target
+    rolls use that group, as verl does; the layer's own group is back after the forward. (One
+    process: the group has one rank, so the values equal verl's and what is pinned is the group.)"""
+    dynamic = torch.distributed.new_group([0], backend="gloo")
+    patched, hooked, _hooks = twins(shape_for(2, tied=False, per_token=False), True, loss_impl="dense")
+    inputs = make_inputs("thd")
+    inputs.packed = dataclasses.replace(inputs.packed, cp_group=dynamic)
+    layer = hooked.mtp.layers[0]
+    static = layer.cp_group
+    seen: list[Any] = []
+    hooked.embedding.register_forward_pre_hook(lambda m, a: seen.append(layer.cp_group) if hooked.mtp.layers[0] is layer else None)
+    rolls: list[Any] = []
+    roll = _mcore.roll_left
+    monkeypatch.setattr(_mcore, "roll_left", lambda t, group, packed: (rolls.append(group), roll(t, group, packed))[1])
+    assert_twins_equal(patched, hooked, inputs, exact=True)
+    assert dynamic in seen and layer.cp_group is static
+    assert rolls and all(group is dynamic for group in rolls)
