@@ -6,7 +6,8 @@ In the order a forward meets them:
    the armed ``micro_batch`` targets), so mcore returns logits; decides training or inference;
    installs a ``ConfigView`` (``mtp_num_layers`` reads ``None``: mcore's own MTP loss stays off);
    for inference also sets ``mtp_process = False`` so the MTP block does not run.
-2. MTP block pre-hook (``on_mtp_block_pre``): hands packed batches the padded layout.
+2. MTP block pre-hook (``on_mtp_block_pre``): hands packed batches the padded layout (and runs
+   the MTP layers without recompute where stock recompute cannot take a packed batch).
 3. MTP layer pre-hooks (``on_mtp_layer_pre``, with ``detach_encoder``): a ``DetachedEmbedding``
    proxy for ``embedding`` and detached depth-0 trunk hidden states (every depth's input hidden
    states with ``detach_between_depths``).
