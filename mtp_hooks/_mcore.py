@@ -101,7 +101,9 @@ def check_call_conventions(model: nn.Module, detach_encoder: bool) -> None:
             )
 
 
-def depth_coefficient(depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor) -> Any:
+def depth_coefficient(
+    depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor, rescale: Optional[bool] = None
+) -> Any:
     """The factor stock mcore puts on one depth's ``sum(mask_k * CE_k)``.
 
     * not per-token (every version): ``depth_scale / tokens_k``. 0.14 - 0.16 divide unclamped (a
@@ -110,12 +112,37 @@ def depth_coefficient(depth_scale: float, per_token: bool, original_tokens: Tens
       ``finalize_model_grads``, which divides by the main loss's token count).
     * ``calculate_per_token_loss`` on 0.17.1+: ``depth_scale * original / clamp(tokens_k, 1)``,
       where ``original`` counts the unrolled mask, so a depth weighs like the main loss per token.
+
+    ``rescale`` (the ``per_token_rescale`` option) picks one of the two per-token rules on any
+    release; ``None`` follows the installed one.
     """
+    return scale_depth_loss(None, depth_scale, per_token, original_tokens, rolled_tokens, rescale)
+
+
+def scale_depth_loss(
+    loss: Optional[Tensor], depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor, rescale: Optional[bool] = None
+) -> Any:
+    """``loss`` (one depth's masked per-token CE) scaled by ``depth_coefficient``'s rule with
+    stock's own sequence of operations, so its gradient is stock's to the bit; ``loss=None``
+    gives the coefficient itself."""
     if not per_token:
-        return depth_scale / rolled_tokens.clamp(min=1)
-    if PER_TOKEN_LOSS_RESCALED:
-        return depth_scale * original_tokens / rolled_tokens.clamp(min=1)
-    return depth_scale
+        return depth_scale / rolled_tokens.clamp(min=1) if loss is None else depth_scale * loss / rolled_tokens.clamp(min=1)
+    if PER_TOKEN_LOSS_RESCALED if rescale is None else rescale:
+        ratio = original_tokens / rolled_tokens.clamp(min=1)
+        return depth_scale * ratio if loss is None else depth_scale * loss * ratio
+    return depth_scale if loss is None else depth_scale * loss
+
+
+# 0.16 - 0.17: ``MultiTokenPredictionLayer._checkpointed_forward(forward_func, *args, **kwargs)`` hands
+# every argument to ``save_for_backward``, which refuses the ``PackedSeqParams`` of a packed (THD)
+# batch under full activation recompute (TypeError); 0.18+ keep non-tensors out of the checkpoint.
+_CHECKPOINTED = list(inspect.signature(_mtp.MultiTokenPredictionLayer._checkpointed_forward).parameters)
+RECOMPUTE_SAVES_PACKED_SEQ_PARAMS: bool = ROLLS_PACKED_SEQUENCES and _CHECKPOINTED[1:2] == ["forward_func"]
+
+
+def recompute_breaks_packed(config: Any) -> bool:
+    """Whether stock MTP layers would crash on a packed batch under this config's full recompute."""
+    return RECOMPUTE_SAVES_PACKED_SEQ_PARAMS and getattr(config, "recompute_granularity", None) == "full"
 
 
 def config_detaches_heads(config: Any) -> bool:
@@ -164,8 +191,12 @@ def tp_group_of(layer: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
     return group
 
 
-def cp_group_of(model: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
-    """The context-parallel group a language model rolls its MTP targets with."""
+def cp_group_of(model: nn.Module, packed_seq_params: Any = None) -> Optional[torch.distributed.ProcessGroup]:
+    """The context-parallel group a language model rolls its MTP targets with: the micro-batch's
+    own (``packed_seq_params.cp_group``, dynamic context parallelism) when it has one, else the model's."""
+    group = getattr(packed_seq_params, "cp_group", None)
+    if group is not None:
+        return group
     group = getattr(model, "cp_group", None)
     if group is None:
         pg_collection = getattr(model, "pg_collection", None)

@@ -40,3 +40,8 @@ class CallArguments:
         if name in kwargs:
             kwargs[name] = None
         return args, value
+
+    def named(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Every argument of this call by parameter name (positional ones and keywords)."""
+        names = sorted(self._positions, key=self._positions.__getitem__)
+        return {**dict(zip(names, args)), **kwargs}

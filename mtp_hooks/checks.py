@@ -43,6 +43,15 @@ def check_targets(labels: Any, loss_mask: Any, validate: Validate) -> None:
         _require(~other.any(), validate, lambda: _not_binary(loss_mask, other))
 
 
+def check_loss_scale(name: str, value: Any) -> Any:
+    """``value`` if it is a valid MTP loss multiplier: ``None``, a float >= 0 or a 0-d floating tensor."""
+    if value is None or (isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point()):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    raise bad_argument(name, "None, a float >= 0 or a 0-d floating tensor (a multiplier of the micro-batch's MTP loss)", repr(value))
+
+
 def check_against_inputs(labels: Tensor, input_ids: Any) -> None:
     """Targets must match the call's ``input_ids`` in shape and device (any integer dtype, as stock)."""
     if not isinstance(input_ids, Tensor):

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
-from mtp_hooks.checks import check_against_inputs, check_label_range, check_targets
+from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale, check_targets
 from mtp_hooks.copies import CopyableHooks
 from mtp_hooks.errors import bad_argument, bad_state, not_entered, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
@@ -117,7 +117,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
                 hooks.move_to_end(hook_id, last=last)
 
     # ------------------------------------------------------------ micro-batch targets
-    def arm(self, labels: Tensor, loss_mask: Optional[Tensor]) -> MicroBatch:
+    def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any = None) -> MicroBatch:
         """Make ``labels`` / ``loss_mask`` the targets of this thread's ``with micro_batch`` block."""
         self.recover_abandoned()
         pending = self.pending
@@ -129,7 +129,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         if pending is not None:
             raise bad_state("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
         check_targets(labels, loss_mask, self.options.validate)
-        self.pending = MicroBatch(labels, loss_mask)
+        self.pending = MicroBatch(labels, loss_mask, check_loss_scale("loss_scale", loss_scale))
         return self.pending
 
     def disarm(self, targets: MicroBatch) -> None:
@@ -170,7 +170,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         labels, loss_mask = last[1](), None if last[2] is None else last[2]()
         if labels is None or (last[2] is not None and loss_mask is None):
             return None
-        return MicroBatch(labels, loss_mask, used=True)
+        return MicroBatch(labels, loss_mask, last[3], used=True)
 
     # --------------------------------------------------------------------- the hooks
     def on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -195,6 +195,8 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             raise bad_argument("output_processor", "None in a training micro-batch (mtp_hooks needs the output layer call)", "a processor")
         state.targets = targets if train else None
         state.packed_seq_params = arguments.get(args, kwargs, "packed_seq_params")
+        if train:
+            state.loss_scale = self._loss_scale(targets, args, kwargs)
         logprobs = self.options.output == "logprobs"
         vocab_size = getattr(model, "vocab_size", None)
         if vocab_size is not None and targets is not None and (train or logprobs):
@@ -204,6 +206,15 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
             state.head_labels = targets.labels
         return args, kwargs
+
+    def _loss_scale(self, targets: MicroBatch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A training forward's MTP loss multiplier: the targets' times ``call_loss_scale``'s."""
+        scale = targets.loss_scale
+        if self.options.call_loss_scale is not None:
+            from_call = check_loss_scale("call_loss_scale", self.options.call_loss_scale(self._arguments.named(args, kwargs)))
+            if from_call is not None:
+                scale = from_call if scale is None else scale * from_call
+        return scale
 
     def _lock_busy(self, model: nn.Module) -> None:
         """The lock is held: refuse a nested or other-thread forward, or recover an abandoned one."""
@@ -268,6 +279,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             weakref.ref(ids) if isinstance(ids, Tensor) else lambda: None,
             weakref.ref(state.targets.labels),
             None if mask is None else weakref.ref(mask),
+            state.targets.loss_scale,
         )
         for entry in state.metrics:
             self.metrics.add(*entry)

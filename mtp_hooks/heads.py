@@ -107,32 +107,40 @@ def attach_mtp_losses(
     loss_mask: Optional[Tensor],
     packed_seq_params: Any,
     call_head: HeadCall,
+    micro_batch_scale: Any = None,
 ) -> tuple[Tensor, list[DepthSums], str]:
     """Hang every depth's MTP loss on the main chunk of ``block_output`` ``[(1+N)s, b, h]``, N = ``depth``.
 
     Returns the main chunk (carrying the losses), the per-depth metric sums and the loss path
     taken (``loss_path``). ``weight`` is the output weight the MTP heads use (already detached
     when they must not train it). Normalisation follows the installed mcore release
-    (``_mcore.depth_coefficient``). An output layer carrying hooks other than mtp_hooks' own
-    (``foreign_hooks``) takes the dense path: stock's MTP heads call the output layer, so its
-    hooks (soft-capping, adapters, monitors) act on them, and only a real call reproduces that.
+    (``_mcore.depth_coefficient``) unless ``options.per_token_rescale`` picks a rule;
+    ``micro_batch_scale`` (a float or 0-d tensor, ``None`` = 1) multiplies the total weight.
+    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one. An output layer carrying hooks other
+    than mtp_hooks' own (``foreign_hooks``) takes the dense path: stock's MTP heads call the output
+    layer, so its hooks (soft-capping, adapters, monitors) act on them, and only a real call
+    reproduces that.
     """
     chunks = split_block_output(block_output, depth)
-    loss_scale = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
+    loss_scale: Any = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
+    if micro_batch_scale is not None:
+        loss_scale = loss_scale * micro_batch_scale
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
-    cp_group = _mcore.cp_group_of(model)
+    cp_group = _mcore.cp_group_of(model, packed_seq_params)
     targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
     # A count made on the device, not a tensor built from a host value (a blocking copy on a GPU).
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
-    coefs = [_mcore.depth_coefficient(loss_scale / depth, per_token, original_tokens, n) for n in tokens]
+    rule = (loss_scale / depth, per_token, original_tokens)
     if options.loss_impl == "dense" or foreign_hooks(layer):
         main, sums = chunks[0], []
-        for k, (chunk, (labels_k, mask_k), coef) in enumerate(zip(chunks[1:], targets, coefs)):
-            objective, ce_sum, correct = _dense_depth_loss(model, layer, chunk, weight, labels_k, mask_k, coef, call_head)
+        for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
+            scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(ce, *rule, n, options.per_token_rescale)  # noqa: E731
+            objective, ce_sum, correct = _dense_depth_loss(model, layer, chunk, weight, labels_k, mask_k, scale, call_head)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
             sums.append((k, ce_sum, tokens[k], correct))
         return main, sums, "dense"
+    coefs = [_mcore.depth_coefficient(*rule, n, options.per_token_rescale) for n in tokens]
     teachers = None
     if options.compares_with_main_head:
         teachers = _main_head_inputs(layer, chunks[0], depth, packed_seq_params, cp_group)
@@ -141,14 +149,22 @@ def attach_mtp_losses(
 
 
 def _dense_depth_loss(
-    model: nn.Module, layer: nn.Module, chunk: Tensor, weight: Tensor, labels: Tensor, mask: Tensor, coef: Any, call_head: HeadCall
+    model: nn.Module,
+    layer: nn.Module,
+    chunk: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    scale: Callable[[Tensor], Tensor],
+    call_head: HeadCall,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One depth as stock computes it: logits from the output layer, mcore's own CE."""
+    """One depth as stock computes it: logits from the output layer, mcore's own CE, stock's
+    scaling of the masked per-token CE (``scale``), so every gradient is stock's to the bit."""
     labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
     logits = call_head(chunk, weight)
     correct = argmax_matches(logits, labels_sb, _mcore.tp_group_of(layer))  # before mcore's CE, which may write into logits
-    ce = model.compute_language_model_loss(labels, logits).t()
-    return (ce * mask_sb).sum() * coef, (ce.detach() * mask_sb).sum(), (correct * mask_sb).sum()
+    ce = model.compute_language_model_loss(labels, logits)
+    return scale(mask * ce).sum(), (ce.detach().t() * mask_sb).sum(), (correct * mask_sb).sum()
 
 
 def _lean_loss(

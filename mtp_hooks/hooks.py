@@ -16,7 +16,7 @@ read on the chunk with the output layer, which must also hold the MTP layers.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -111,7 +111,7 @@ class MTPHooks:
     def chunk_size(self) -> Optional[int]:
         return self.options.chunk_size
 
-    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None) -> MicroBatchTargets:
+    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None) -> MicroBatchTargets:
         """``with hooks.micro_batch(labels, loss_mask): model(...)``: the training forward in the
         block trains MTP on these ``[b, s]`` targets.
 
@@ -124,12 +124,14 @@ class MTPHooks:
         ``micro_batch`` raises ``MTPHooksStateError``; pass ``labels=`` to the model instead.
 
         ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
-        them. Validated when called (``MTPHooksError``).
+        them. Validated when called (``MTPHooksError``). ``loss_scale`` (a float >= 0 or a 0-d
+        tensor, no host sync) multiplies this micro-batch's MTP loss, e.g. a per-micro-batch MTP
+        gradient scale, or 0 to gate it off.
 
         One thread at a time: another thread's forward while one is in flight raises
         ``MTPHooksStateError``; it never sees this thread's targets.
         """
-        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask))
+        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask, loss_scale))
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
@@ -184,6 +186,8 @@ def attach(
     entropy: bool = False,
     temperature: float = 1.0,
     validate: Validate = "device",
+    per_token_rescale: Optional[bool] = None,
+    call_loss_scale: Optional[Callable[[Mapping[str, Any]], Any]] = None,
 ) -> MTPHooks:
     """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
 
@@ -230,6 +234,13 @@ def attach(
             vocabulary): ``"device"`` (default) without a host sync, by device-side asserts
             (immediate ``MTPHooksError`` on CPU; a CUDA device-side assert on GPU);
             ``"host"`` with one host sync per check and a full ``MTPHooksError``; ``"off"``.
+        per_token_rescale: with ``config.calculate_per_token_loss``, whether depth k's loss is
+            rescaled by original / rolled token count (stock 0.17.1+) or not (stock 0.14 - 0.16);
+            ``None`` follows the installed release.
+        call_loss_scale: called at the start of every training forward with that forward's
+            arguments by name (``input_ids``, ``packed_seq_params``, ...); returns a multiplier of
+            the micro-batch's MTP loss (float or 0-d tensor) or ``None``. Multiplies
+            ``micro_batch(loss_scale=)``.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
@@ -270,6 +281,8 @@ def attach(
         entropy=entropy,
         temperature=temperature,
         validate=validate,
+        per_token_rescale=per_token_rescale,
+        call_loss_scale=call_loss_scale,
     )
     options.check_config(language_model.config)
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:

@@ -1,9 +1,9 @@
-"""The options of ``attach``: one frozen, validated object instead of eleven loose keywords."""
+"""The options of ``attach``: one frozen, validated object instead of fourteen loose keywords."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
@@ -39,6 +39,10 @@ class Options:
     entropy: bool = False
     temperature: float = 1.0
     validate: Validate = "device"
+    # Per-token loss normalisation on any release (``_mcore.depth_coefficient``); None follows it.
+    per_token_rescale: Optional[bool] = None
+    # A per-micro-batch multiplier of the MTP loss read from each training forward's arguments.
+    call_loss_scale: Optional[Callable[[Mapping[str, Any]], Any]] = None
 
     def __post_init__(self) -> None:
         for name in ("detach_encoder", "detach_head", "detach_between_depths"):
@@ -76,6 +80,10 @@ class Options:
         object.__setattr__(self, "temperature", float(self.temperature))
         if self.validate not in VALIDATE_MODES:
             raise bad_argument("validate", " or ".join(map(repr, VALIDATE_MODES)), describe(self.validate))
+        if self.per_token_rescale is not None:
+            _require_bool("per_token_rescale", self.per_token_rescale)
+        if self.call_loss_scale is not None and not callable(self.call_loss_scale):
+            raise bad_argument("call_loss_scale", "None or a callable taking the forward's arguments by name", describe(self.call_loss_scale))
 
     @property
     def compares_with_main_head(self) -> bool:

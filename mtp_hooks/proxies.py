@@ -6,6 +6,8 @@
   MTP loss stays off. Everything else is the real config: ``isinstance``, ``dataclasses.*``,
   every read and write (writes land in the shared ``__dict__``, i.e. on the real config);
   ``copy``, ``deepcopy`` and ``pickle`` produce the real config's class with its real values.
+  ``config_view(config, live, "recompute_granularity")`` is the same for another field: the MTP
+  layers of a packed batch run without the full recompute that stock 0.16 - 0.17 cannot do there.
 * ``DetachedEmbedding`` (wrapt) calls the real embedding module and detaches what it returns, so
   the MTP layers learn from the next-token embeddings without sending gradient into them.
 """
@@ -21,29 +23,29 @@ from torch import Tensor
 # wrapt >= 2 names the attribute-forwarding proxy ``BaseObjectProxy``; 1.x calls it ``ObjectProxy``.
 _ObjectProxy: Any = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
 
-_VIEW_CLASSES: dict[type, type] = {}
+_VIEW_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _view_class(cls: type) -> type:
-    """The per-config-class view subclass (built once per class)."""
-    view = _VIEW_CLASSES.get(cls)
+def _view_class(cls: type, field: str) -> type:
+    """The view subclass of a config class hiding one field (built once per class and field)."""
+    view = _VIEW_CLASSES.get((cls, field))
     if view is not None:
         return view
 
-    def mtp_num_layers(self: Any) -> Any:
+    def hidden(self: Any) -> Any:
         if self._mtp_hooks_live():
             return None
-        return self.__dict__.get("mtp_num_layers")
+        return self.__dict__.get(field)
 
-    def set_mtp_num_layers(self: Any, value: Any) -> None:
-        self.__dict__["mtp_num_layers"] = value
+    def set_hidden(self: Any, value: Any) -> None:
+        self.__dict__[field] = value
 
     namespace = {
         "__slots__": ("_mtp_hooks_real", "_mtp_hooks_live"),
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
-        "mtp_num_layers": property(mtp_num_layers, set_mtp_num_layers),
+        field: property(hidden, set_hidden),
         # ``dataclasses.replace`` builds ``obj.__class__(...)``: the real class.
         "__class__": property(lambda self: cls),
         "__copy__": lambda self: copy.copy(self._mtp_hooks_real),
@@ -51,13 +53,13 @@ def _view_class(cls: type) -> type:
         "__reduce_ex__": lambda self, protocol: self._mtp_hooks_real.__reduce_ex__(protocol),
     }
     view = type(cls.__name__, (cls,), namespace)
-    _VIEW_CLASSES[cls] = view
+    _VIEW_CLASSES[(cls, field)] = view
     return view
 
 
-def config_view(config: Any, live: Callable[[], bool]) -> Any:
-    """``config`` seen with ``mtp_num_layers = None`` while ``live()`` is true (module docstring)."""
-    view = object.__new__(_view_class(type(config)))
+def config_view(config: Any, live: Callable[[], bool], field: str = "mtp_num_layers") -> Any:
+    """``config`` seen with ``field = None`` while ``live()`` is true (module docstring)."""
+    view = object.__new__(_view_class(type(config), field))
     object.__setattr__(view, "__dict__", config.__dict__)
     object.__setattr__(view, "_mtp_hooks_real", config)
     object.__setattr__(view, "_mtp_hooks_live", live)

@@ -29,6 +29,7 @@ class MicroBatch:
 
     labels: Tensor
     loss_mask: Optional[Tensor]
+    loss_scale: Any = None  # multiplier of this micro-batch's MTP loss (float or 0-d tensor), None = 1
     used: bool = False
     entered: bool = False  # ``with`` entered: the only way targets reach a forward
     thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
@@ -66,6 +67,10 @@ class ForwardState:
     output_weight: Optional[Tensor] = None  # see ``ForwardHooks._open_inference_window``
     head_labels: Optional[Tensor] = None
     head_output: Optional[TokenLogProbs] = None
+    loss_scale: Any = None  # this forward's MTP loss multiplier: micro_batch(loss_scale=) x call_loss_scale
+    # Attributes of MTP layers swapped for the MTP block's run (module, name, original), restored
+    # when the block returns or, if it raised, when the window closes.
+    swaps: list[tuple[nn.Module, str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def train(self) -> bool:
@@ -78,8 +83,20 @@ class ForwardState:
             attributes["mtp_process"] = False
         self.window = originals
 
+    def swap(self, module: nn.Module, name: str, value: Any) -> None:
+        """Set a plain attribute of an MTP layer for the MTP block's run (``restore_swaps``)."""
+        attributes = module.__dict__
+        self.swaps.append((module, name, attributes[name]))
+        attributes[name] = value
+
+    def restore_swaps(self) -> None:
+        while self.swaps:
+            module, name, value = self.swaps.pop()
+            module.__dict__[name] = value
+
     def close_window(self) -> bool:
-        """Put back what the window changed; ``True`` if it was open."""
+        """Put back what the window changed (and any MTP-layer swap); ``True`` if the window was open."""
+        self.restore_swaps()
         originals = self.window
         if originals is None:
             return False

@@ -58,6 +58,7 @@ class SubmoduleHooks:
     def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         state = self.forward
         if state is not None and state.train and state.thread == threading.get_ident():
+            state.restore_swaps()
             state.block_output = output
             state.open_window(self._current_originals(state.model), mtp_process_off=True)
         return None
@@ -118,6 +119,7 @@ class SubmoduleHooks:
                 state.targets.loss_mask,
                 state.packed_seq_params,
                 lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
+                state.loss_scale,
             )
             state.attached = True
         elif state.head_labels is None:
@@ -140,8 +142,14 @@ class SubmoduleHooks:
         """Give the MTP layers the padded layout of a packed batch, so their shifted input ids stay
         within each sequence (mcore rolls them by ``cu_seqlens_q``; see ``targets.packed_layout``)."""
         packed = kwargs.get("packed_seq_params")
-        if self.forward is None or packed is None:
+        state = self.forward
+        if state is None or packed is None or state.thread != threading.get_ident():
             return None
+        if state.train and block.training and _mcore.recompute_breaks_packed(block.config):
+            # Stock 0.16 - 0.17 recompute would hand the PackedSeqParams to save_for_backward
+            # (TypeError): the MTP layers run without recompute for this block call (same gradients).
+            for layer in block.layers:
+                state.swap(layer, "config", config_view(layer.config, lambda: True, "recompute_granularity"))
         layout = packed_layout(packed)
         if layout is packed:
             return None
@@ -154,6 +162,11 @@ class SubmoduleHooks:
             return None
         if kwargs.get("embedding") is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
+        dynamic_cp = getattr(kwargs.get("packed_seq_params"), "cp_group", None)
+        if dynamic_cp is not None and "cp_group" in layer.__dict__ and layer.__dict__["cp_group"] is not dynamic_cp:
+            # The micro-batch's own CP group for the shifted input ids (dynamic context parallelism),
+            # as verl's detached embedding path uses; restored when the MTP block returns.
+            state.swap(layer, "cp_group", dynamic_cp)
         if state.mtp_layer_calls == 0 or self.options.detach_between_depths:
             # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
             # stays attached). Later depths, with detach_between_depths: the previous depth's output.
