@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import os
 import socket
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
@@ -591,13 +592,23 @@ def output_layer_calls(model: GPTModel) -> Iterator[list[Tensor]]:
     """Record every ``output_layer`` output (detached ``[s, b, V]`` logits) while the context is open.
 
     In a stock training forward the calls are depth 1 .. N of MTP, then the main head.
+    Recorded by a profile function, not a module hook: a hook on the output layer would itself
+    change what the hooks do (they send an output layer carrying foreign hooks down the dense path).
     """
     calls: list[Tensor] = []
-    handle = model.output_layer.register_forward_hook(lambda m, a, out: calls.append(out[0].detach().clone()))
+    layer = model.output_layer
+    forward_code = type(layer).forward.__code__
+    previous = sys.getprofile()
+
+    def profile(frame: Any, event: str, value: Any) -> None:
+        if event == "return" and frame.f_code is forward_code and frame.f_locals.get("self") is layer and value is not None:
+            calls.append(value[0].detach().clone())
+
+    sys.setprofile(profile)
     try:
         yield calls
     finally:
-        handle.remove()
+        sys.setprofile(previous)
 
 
 def rolled(tensor: Tensor, k: int) -> Tensor:
