@@ -603,6 +603,8 @@ def output_layer_calls(model: GPTModel) -> Iterator[list[Tensor]]:
     def profile(frame: Any, event: str, value: Any) -> None:
         if event == "return" and frame.f_code is forward_code and frame.f_locals.get("self") is layer and value is not None:
             calls.append(value[0].detach().clone())
+        if previous is not None:  # an enclosing recorder (of another model) keeps recording
+            previous(frame, event, value)
 
     sys.setprofile(profile)
     try:
