@@ -1,4 +1,4 @@
-"""``detach_between_depths``: every MTP depth's loss trains its own layer only, as verl's patch does.
+"""``detach_between_depths``: every MTP depth's loss trains its own layer only, as verl's patch did before 0.9.
 
 The reference is stock mcore with the same detaches applied by pre-hooks written here: each MTP
 layer gets detached input hidden states (the trunk's at depth 1, the previous depth's after) and
@@ -28,7 +28,7 @@ VOCAB = 64
 
 
 @contextlib.contextmanager
-def verl_style_detach(model: nn.Module) -> Iterator[None]:
+def per_depth_detach(model: nn.Module) -> Iterator[None]:
     """Stock mcore with every MTP layer's inputs detached (reference hooks of this test)."""
 
     def detach_inputs(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -48,11 +48,11 @@ def verl_style_detach(model: nn.Module) -> Iterator[None]:
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
-def test_each_depth_trains_only_its_own_layer_like_stock_with_verl_detaches(depth: int, tied: bool, loss_impl: str) -> None:
+def test_each_depth_trains_only_its_own_layer_like_stock_with_per_depth_detaches(depth: int, tied: bool, loss_impl: str) -> None:
     spec = TinyGPT(vocab_size=VOCAB, mtp_num_layers=depth, tied=tied)
     stock, hooked = spec.build(seed=11), spec.build(seed=11)
     batch = make_batch(VOCAB, seq=10, seed=depth)
-    with verl_style_detach(stock):
+    with per_depth_detach(stock):
         stock_train_step(stock, batch)
     stock_losses = stock_mtp_losses()
     hooks = mtp_hooks.attach(hooked, detach_encoder=True, detach_between_depths=True, loss_impl=loss_impl)
