@@ -5,7 +5,7 @@ layers keep training on the same micro-batch; ``remove()`` restores stock mcore 
 
 Importing ``mtp_hooks`` imports ``megatron.core`` (about 3 s on a 2-core CPU, most of it torch's
 dynamo / inductor and ``torch.distributed.tensor``, which megatron-core loads; ``mtp_hooks`` itself
-takes milliseconds). megatron-core's import-time notices that Transformer Engine or Apex are not
+takes milliseconds). megatron-core's import-time notices that Transformer Engine, Apex or absl are not
 installed are silenced for the length of that import only; every other warning is left alone.
 """
 
@@ -14,7 +14,7 @@ import warnings as _warnings
 with _warnings.catch_warnings():
     # megatron-core's notices, at import, that it falls back from optional fused kernels.
     _warnings.filterwarnings(
-        "ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning, module=r"megatron\."
+        "ignore", message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed", category=UserWarning, module=r"megatron\."
     )
     from mtp_hooks.errors import MTPHooksError, MTPHooksStateError
     from mtp_hooks.hooks import MTPHooks, attach, attached, hooks_of
