@@ -64,7 +64,8 @@ def _grad_diff(model: nn.Module, reference: nn.Module) -> float:
 
 def _tracked_losses() -> list[float]:
     """Per-depth MTP losses mcore's ``MTPLossLoggingHelper`` holds since it was last cleared."""
-    values = MTPLossLoggingHelper.tracker.get("values")
+    tracker = MTPLossLoggingHelper.tracker
+    values = tracker.get("loss_values", tracker.get("values"))  # 0.19.2+ keeps acceptance counts beside it
     if values is None:
         raise RuntimeError("mcore's MTP loss tracker holds nothing: no MTP loss was recorded")
     return [float(v) for v in values.tolist()]
