@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -54,8 +55,6 @@ def foreign_hooks(layer: nn.Module) -> bool:
     """Whether a call of ``layer`` runs hooks that may change it: the layer's forward (pre-)hooks
     and backward (pre-)hooks and torch's global module hooks, other than mtp_hooks' own and
     torch's module trackers (``_TRANSPARENT_HOOK_MODULES``)."""
-    from torch.nn.modules import module as _module
-
     registries = (
         layer._forward_pre_hooks,
         layer._forward_hooks,
