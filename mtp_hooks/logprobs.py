@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
+from mtp_hooks.workspace import Workspace
 
 
 class TokenLogProbs(NamedTuple):
@@ -27,8 +28,8 @@ class TokenLogProbs(NamedTuple):
     entropy: Optional[Tensor]
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
-    logits = (hidden @ weight.t()).to(dtype)
+def _chunk_logits(space: Workspace, hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    logits = space.product(hidden, weight)
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
@@ -60,13 +61,14 @@ class LeanLogProbs(torch.autograd.Function):
         # With entropy a chunk holds two logits-sized temporaries (the logits and their exponentials):
         # half as many tokens, so the chunk's memory stays that of one chunk of logits.
         step = max(1, chunk_size // 2) if with_entropy else chunk_size
+        logits_space, exp_space = Workspace(dtype, hidden.device), Workspace(dtype, hidden.device)
         for start in range(0, tokens, step):
             rows = slice(start, min(start + step, tokens))
-            logits = _chunk_logits(hidden[rows], weight, temperature, dtype)
-            row_max = all_reduce(logits.max(dim=-1).values, tp_group, dist.ReduceOp.MAX)
+            logits = _chunk_logits(logits_space, hidden[rows], weight, temperature)
+            row_max = all_reduce(logits.amax(dim=-1), tp_group, dist.ReduceOp.MAX)
             target = logits.gather(-1, local[rows].unsqueeze(-1)).squeeze(-1) * in_shard[rows]
             shifted = logits.sub_(row_max.unsqueeze(-1))
-            exp = shifted.exp() if with_entropy else shifted.exp_()
+            exp = torch.exp(shifted, out=exp_space.matrix(*shifted.shape)) if with_entropy else shifted.exp_()
             sums = [target, exp.sum(dim=-1)]
             if with_entropy:
                 sums.append(exp.mul_(shifted).sum(dim=-1))
@@ -95,10 +97,11 @@ class LeanLogProbs(torch.autograd.Function):
         # Vocabulary slices with two slice-sized temporaries (log q and q) holding as many logits as
         # one forward chunk: each gives its own rows of dW (no [V, h] accumulator) and adds its part of dh.
         columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(2 * tokens, 1))))
+        log_q_space, q_space = Workspace(dtype, hidden.device), Workspace(dtype, hidden.device)
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
-            log_q = _chunk_logits(hidden, weight[cols], ctx.temperature, dtype).sub_(lse.unsqueeze(-1))
-            q = log_q.exp()
+            log_q = _chunk_logits(log_q_space, hidden, weight[cols], ctx.temperature).sub_(lse.unsqueeze(-1))
+            q = torch.exp(log_q, out=q_space.matrix(*log_q.shape))
             # d log q[label] / dz = onehot - q ;  d H / dz = -q * (log q + H)
             if grad_entropy is not None:
                 grad = log_q.add_(entropy.unsqueeze(-1)).mul_(grad_entropy).add_(grad_logprobs).mul_(q).neg_()
@@ -109,12 +112,12 @@ class LeanLogProbs(torch.autograd.Function):
             grad.scatter_add_(-1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
-            grad = grad.to(weight.dtype)
+            rounded = log_q_space.rounded(grad, weight.dtype)
             if need_hidden:
-                torch.addmm(d_hidden, grad.to(dtype), weight[cols].to(dtype), out=d_hidden)
+                torch.addmm(d_hidden, rounded.to(dtype), weight[cols].to(dtype), out=d_hidden)
             if need_weight:
-                torch.mm(grad.t(), hidden, out=d_weight[cols])
-            del log_q, q, grad  # one slice's temporaries alive at a time
+                torch.mm(rounded.t(), hidden, out=d_weight[cols])
+            del log_q, q, grad, rounded  # one slice's temporaries alive at a time
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, d_weight, None, None, None, None, None

@@ -49,6 +49,7 @@ from mtp_hooks.vocab_parallel import (
     group_rank,
     shard_targets,
 )
+from mtp_hooks.workspace import Workspace
 
 _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
 
@@ -88,25 +89,25 @@ def _mm_accumulates_low_precision(device: torch.device, dtype: torch.dtype, acc_
     return True
 
 
-def _add_weight_grad_(acc: Tensor, grad: Tensor, hidden: Tensor) -> None:
-    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype`` (``grad``: the chunk's logit gradient, in ``acc.dtype``).
+def _add_weight_grad_(acc: Tensor, grad: Tensor, rounded: Tensor, hidden: Tensor) -> None:
+    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype`` (``grad``: the chunk's logit gradient
+    in ``acc.dtype``; ``rounded``: the same in the head's dtype).
 
     Low-precision operands go through a GEMM with an ``acc.dtype`` output where torch has one for
-    the device (``grad`` is then rounded to the head's dtype: it is at unit scale, see
-    ``LeanMTPLoss``), else are upcast.
+    the device (``rounded``, at unit scale, see ``LeanMTPLoss``), else are upcast.
     """
     if hidden.dtype == acc.dtype:
         torch.addmm(acc, grad.t(), hidden, out=acc)
     elif _mm_accumulates_low_precision(hidden.device, hidden.dtype, acc.dtype):
-        torch.addmm(acc, grad.to(hidden.dtype).t(), hidden, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, rounded.t(), hidden, out_dtype=acc.dtype, out=acc)
     else:
         torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
 
 
-def _global_argmax(logits: Tensor, row_max: Tensor, group: ProcessGroup) -> Tensor:
-    """Candidate full-vocabulary argmax of each row; reduce with MIN over the group (lowest index wins ties)."""
-    values, index = logits.max(dim=-1)
-    return torch.where(values == row_max, index + group_rank(group) * logits.shape[-1], _NO_INDEX)
+def _global_argmax(values: Tensor, index: Tensor, row_max: Tensor, shard: int, group: ProcessGroup) -> Tensor:
+    """Candidate full-vocabulary argmax of each row from the shard's ``max`` (``values``, ``index``);
+    reduce with MIN over the group (lowest index wins ties)."""
+    return torch.where(values == row_max, index + group_rank(group) * shard, _NO_INDEX)
 
 
 def _logit_grad(
@@ -118,25 +119,32 @@ def _logit_grad(
     in_shard: Tensor,
     token_weight: Optional[Tensor],
     first: int = 0,
+    q_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``q``.
 
-    ``q``: the MTP head's softmax on those columns; ``p``: the main head's (teacher) softmax;
-    ``sign_q``: per token ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only);
-    ``token_weight`` ``None``: every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``).
+    ``q``: the MTP head's softmax on those columns, or for ``"ce"`` its exponentials with
+    ``q_scale`` (per token, ``1 / sum exp``) the factor that normalises them, folded into the one
+    multiply by the token weights; ``p``: the main head's (teacher) softmax; ``sign_q``: per token
+    ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only); ``token_weight`` ``None``:
+    every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``).
     """
     if objective == "ce":  # softmax - onehot
-        grad = q if token_weight is None else q.mul_(token_weight.unsqueeze(-1))
+        factor = token_weight if q_scale is None else q_scale if token_weight is None else q_scale * token_weight
+        grad = q if factor is None else q.mul_(factor.unsqueeze(-1))
         columns = grad.shape[-1]
         index = local - first
         inside = in_shard & (index >= 0) & (index < columns)
         step = inside.to(grad.dtype) if token_weight is None else token_weight * inside
         return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), step.neg_().unsqueeze(-1))
-    assert p is not None
+    if p is None or q_scale is not None:
+        raise AssertionError(f"objective {objective!r} takes the normalised softmax and the teacher's")
     if objective == "distill":  # q - p
         grad = q.sub_(p)
         return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
-    assert sign_q is not None  # tv: 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
+    if sign_q is None:
+        raise AssertionError("objective 'tv' needs sum_v sign(q - p) q")
+    # tv: 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
     grad = torch.sign(q - p).sub_(sign_q.unsqueeze(-1)).mul_(q).mul_(0.5)
     return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
 
@@ -146,21 +154,28 @@ class _Chunk:
 
     Fills ``lse``, ``ce``, ``correct``, ``loss`` and, with a teacher, ``lse_teacher``,
     ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``sign_q``; ``q`` and ``p``
-    are the chunk's local softmax columns.
+    are the chunk's local softmax columns, written over ``logits`` and ``teacher_logits``.
+    Without a teacher ``q`` holds the exponentials and ``q_scale`` the factor that normalises
+    them (``_logit_grad`` applies it with the token weights: one pass over the chunk, not two).
     """
 
     def __init__(
         self, logits: Tensor, teacher_logits: Optional[Tensor], local: Tensor, in_shard: Tensor, objective: str, group: ProcessGroup
     ) -> None:
-        maxima = [logits.max(dim=-1).values]
-        if teacher_logits is not None:
-            maxima.append(teacher_logits.max(dim=-1).values)
+        if teacher_logits is None:
+            maxima = [logits.amax(dim=-1)]  # values only: several times faster than max's (values, indices)
+        else:
+            values, index = logits.max(dim=-1)
+            teacher_values, teacher_index = teacher_logits.max(dim=-1)
+            maxima = [values, teacher_values]
         maxima = all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
         row_max = maxima[0]
         picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
         if teacher_logits is not None:
-            agree_index = _global_argmax(logits, row_max, group)
-            agree_index = torch.stack([agree_index, _global_argmax(teacher_logits, maxima[1], group)])
+            agree_index = torch.stack(
+                [_global_argmax(values, index, row_max, logits.shape[-1], group),
+                 _global_argmax(teacher_values, teacher_index, maxima[1], logits.shape[-1], group)]
+            )
         shifted = logits.sub_(row_max.unsqueeze(-1))
         exp = shifted.exp() if objective == "distill" else shifted.exp_()
         sums = [picked, exp.sum(dim=-1)]
@@ -172,11 +187,12 @@ class _Chunk:
         self.ce = self.lse - sums[0]
         self.correct = sums[0] >= row_max
         self.loss = self.ce
-        self.q = exp.div_(sums[1].unsqueeze(-1))
         self.p: Optional[Tensor] = None
         self.sign_q: Optional[Tensor] = None
         if teacher_logits is None:
+            self.q, self.q_scale = exp, sums[1].reciprocal()
             return
+        self.q, self.q_scale = exp.div_(sums[1].unsqueeze(-1)), None
         self.lse_teacher = maxima[1] + sums[2].log()
         self.p = p = teacher_exp.div_(sums[2].unsqueeze(-1))
         q = self.q
@@ -257,9 +273,6 @@ class LeanMTPLoss(torch.autograd.Function):
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fused = need_weight_grad and weight_grad == "fused"
         acc = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if fused else None
-        # The fused accumulator takes token weights relative to the largest (applied back in backward).
-        norm = token_weight.abs().amax().clamp(min=torch.finfo(acc_dtype).tiny) if fused and tokens else None
-        relative = None if norm is None else token_weight / norm
         teacher_weight = weight.detach()
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
@@ -270,11 +283,17 @@ class LeanMTPLoss(torch.autograd.Function):
         # ``coef * softmax`` (2.4e-5 * 1e-5 is below its smallest normal), so there it is made at
         # unit weight and backward applies the weights in fp32.
         fold = hidden.dtype != torch.float16
+        # fp16's fused accumulator takes its unit-weight gradient times the token weights relative to
+        # the largest (the GEMM operands stay at unit scale); backward multiplies by that largest.
+        norm = token_weight.abs().amax().clamp(min=torch.finfo(acc_dtype).tiny) if fused and tokens and not fold else None
+        relative = None if norm is None else token_weight / norm
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None
+        logits_space = Workspace(acc_dtype, hidden.device)
+        teacher_space = Workspace(acc_dtype, hidden.device)
         for start in range(0, tokens, chunk_size):
             rows = slice(start, min(start + chunk_size, tokens))
-            logits = (hidden[rows] @ weight.t()).to(acc_dtype)
-            teacher_logits = None if teacher is None else (teacher[rows] @ teacher_weight.t()).to(acc_dtype)
+            logits = logits_space.product(hidden[rows], weight)
+            teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
             chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group)
             del logits, teacher_logits
             lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
@@ -284,13 +303,18 @@ class LeanMTPLoss(torch.autograd.Function):
                     sign_q[rows] = chunk.sign_q
             if hidden_grad is not None or acc is not None:
                 weights = token_weight[rows] if fold else None
-                grad = _logit_grad(objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], weights)
+                grad = _logit_grad(
+                    objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], weights, q_scale=chunk.q_scale
+                )
+                rounded = logits_space.rounded(grad, weight.dtype)
                 if hidden_grad is not None:
-                    hidden_grad[rows] = grad.to(weight.dtype) @ weight
-                if acc is not None and relative is not None:
-                    grad = grad.div_(norm) if fold else grad.mul_(relative[rows].unsqueeze(-1))
-                    _add_weight_grad_(acc, grad, hidden[rows])
-                del grad
+                    torch.mm(rounded, weight, out=hidden_grad[rows])
+                if acc is not None and relative is not None:  # fp16
+                    grad = grad.mul_(relative[rows].unsqueeze(-1))
+                    rounded = logits_space.rounded(grad, weight.dtype)
+                if acc is not None:
+                    _add_weight_grad_(acc, grad, rounded, hidden[rows])
+                del grad, rounded
             del chunk  # one chunk's temporaries alive at a time
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
@@ -345,18 +369,19 @@ class LeanMTPLoss(torch.autograd.Function):
         columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
         main_grad = ctx.main_grad
         d_weight = torch.empty_like(weight) if main_grad is None else None
+        q_space, p_space = Workspace(lse.dtype, hidden.device), Workspace(lse.dtype, hidden.device)
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
-            q = (hidden @ weight[cols].t()).to(lse.dtype).sub_(lse.unsqueeze(-1)).exp_()
+            q = q_space.product(hidden, weight[cols]).sub_(lse.unsqueeze(-1)).exp_()
             p = None
             if teacher is not None:
-                p = (teacher @ weight[cols].t()).to(lse.dtype).sub_(lse_teacher.unsqueeze(-1)).exp_()
+                p = p_space.product(teacher, weight[cols]).sub_(lse_teacher.unsqueeze(-1)).exp_()
             grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
             del q, p
             if main_grad is not None:
                 add_product_(main_grad[cols], grad, hidden)
             else:
-                torch.mm(grad.to(weight.dtype).t(), hidden, out=d_weight[cols])
+                torch.mm(q_space.rounded(grad, weight.dtype).t(), hidden, out=d_weight[cols])
             del grad
         if main_grad is not None:
             d_weight = placeholder_grad(ctx.weight, main_grad, ctx.hidden_dtype)

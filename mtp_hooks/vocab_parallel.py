@@ -16,7 +16,6 @@ from torch import Tensor
 ProcessGroup = Optional[dist.ProcessGroup]
 
 
-
 def group_size(group: ProcessGroup) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -46,7 +45,7 @@ def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Te
     A tie with another token counts as a match.
     """
     local, in_shard = shard_targets(labels, logits.shape[-1], tp_group)
-    row_max = all_reduce(logits.max(dim=-1).values.float(), tp_group, dist.ReduceOp.MAX)
+    row_max = all_reduce(logits.amax(dim=-1).float(), tp_group, dist.ReduceOp.MAX)
     target = all_reduce(logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() * in_shard, tp_group)
     return target >= row_max
 
