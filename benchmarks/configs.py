@@ -1,8 +1,10 @@
 """Benchmark configurations: one base shape, and sweeps that vary one of vocab, sequence length, N.
 
 ``cpu`` (the default): base V = 32,000, s = 512, h = 32, N = 2, fp32, with sweeps up to the vocabularies
-of real models (129,280: DeepSeek-V3; 151,936: Qwen2.5) and s = 4,096, b = 1; h and the layer count are
-small so that stock's fp32 logits fit a shared machine's memory and the run takes minutes, not hours.
+of real models (129,280: DeepSeek-V3; 151,936: Qwen2.5) and s = 4,096, b = 1, a "realistic" sweep with
+both large at once (V = 129,280, s = 1,024 and 2,048), and the loss alone at realistic shapes; h and the
+layer count are small so that stock's fp32 logits fit a shared machine's memory and the run takes
+minutes, not hours.
 ``gpu`` is the realistic, head-dominant shape (vocab 151,936, sequence 4,096, hidden 2,048, bf16) for one
 GPU. ``smoke`` (``--quick``) is seconds long: every variant, the machinery end to end, tiny shapes.
 """
@@ -60,6 +62,12 @@ class Config:
     chunk_size: Optional[int] = None  # lean loss chunk; None: the library's default
     # Variants measured away from the base shape (None: all); the others only at the base shape.
     sweep_variants: Optional[tuple[str, ...]] = None
+    # The "realistic" sweep: sequence lengths at a real model's vocabulary (both large at once).
+    realistic_vocab: Optional[int] = None
+    realistic_seq_sweep: tuple[int, ...] = ()
+    # The loss alone (``benchmarks.loss_shapes``) at (vocab, tokens, hidden), with the fused path
+    # under mcore's gradient-accumulation protocol; empty: not run.
+    loss_shapes: tuple[tuple[int, int, int], ...] = ()
 
     def points(self) -> list[tuple[str, Shape]]:
         """(sweep name, shape) for every point; the base shape appears in every sweep."""
@@ -70,6 +78,9 @@ class Config:
             out.append(("seq", dataclasses.replace(self.base, seq=value)))
         for value in self.mtp_sweep:
             out.append(("mtp", dataclasses.replace(self.base, mtp=value)))
+        for value in self.realistic_seq_sweep:
+            assert self.realistic_vocab is not None, "a realistic sweep needs realistic_vocab"
+            out.append(("realistic", dataclasses.replace(self.base, vocab=self.realistic_vocab, seq=value)))
         return out
 
     def shapes(self) -> list[Shape]:
@@ -96,6 +107,9 @@ CONFIGS: dict[str, Config] = {
         warmup=1,
         position_embedding="learned_absolute",
         sweep_variants=("stock", "verl", "no_mtp", "hooks_lean", "hooks_lean_detach_head", "trainer_logits", "trainer_logprobs"),
+        realistic_vocab=129280,
+        realistic_seq_sweep=(1024, 2048),
+        loss_shapes=((129280, 1024, 128), (151936, 2048, 128)),
     ),
     "gpu": Config(
         name="gpu",
@@ -122,5 +136,6 @@ CONFIGS: dict[str, Config] = {
         rounds=5,
         warmup=1,
         position_embedding="learned_absolute",
+        loss_shapes=((2048, 64, 64),),
     ),
 }

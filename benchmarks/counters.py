@@ -18,11 +18,12 @@ them and one run per variant and shape is enough:
   ``masked_select`` or ``repeat_interleave`` without ``output_size`` do on CUDA), nor
   ``torch.cuda.synchronize()`` / stream or event waits (not aten ops): those it reports as 0.
 * ``HostToDevice``: a dispatch mode counting tensors made from host data inside the call: ``lift_fresh``
-  (``torch.tensor(python data)``), ``scalar_tensor`` (a Python number made a tensor), and ``_to_copy`` /
-  ``copy_`` from a CPU tensor into a tensor on another device. On a GPU each is a host-to-device copy;
-  on CPU the first two are still counted (they are what would be copied on a GPU), the last cannot occur.
-  Python numbers passed to an op as arguments (``x * 0.5``, ``torch.full``) are kernel arguments, not
-  tensors, and are not counted.
+  (``torch.tensor(python data)``, ``new_tensor``, ``as_tensor``), and ``_to_copy`` / ``copy_`` from a
+  CPU tensor into a tensor on another device. On a GPU each is a host-to-device copy; on CPU the first
+  is still counted (it is what would be copied on a GPU), the second cannot occur. Python numbers passed
+  to an op as arguments (``x * 0.5``, ``torch.full``) are kernel arguments, and ``scalar_tensor`` makes
+  a device scalar with a fill kernel (``empty().fill_(s)``; torch's CPU attention calls it for boolean
+  masks): neither copies, neither is counted.
 """
 
 from __future__ import annotations
@@ -164,11 +165,11 @@ class HostSyncs(TorchDispatchMode):
 
 
 # Ops that make a tensor out of host data.
-_FROM_HOST_OPS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy", "aten::scalar_tensor"})
+_FROM_HOST_OPS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy"})
 
 
 class HostToDevice(TorchDispatchMode):
-    """Counts tensors made from host data (``lift_fresh``, ``scalar_tensor``) and host-to-device
+    """Counts tensors made from host data (``lift_fresh``) and host-to-device
     copies (``_to_copy`` / ``copy_`` from a CPU tensor into another device's); ``by_op`` says which."""
 
     def __init__(self) -> None:

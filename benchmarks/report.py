@@ -23,8 +23,22 @@ from benchmarks.variants import DEFAULT_HOOKS, DETACH_HEAD, TRAINER_VARIANTS
 
 MIB = 2**20
 TP = 1  # the benchmarks run one rank
-SWEEP_TITLES = {"vocab": "vocabulary size V", "seq": "sequence length s", "mtp": "MTP depth N"}
-SWEEP_SYMBOLS = {"vocab": "V", "seq": "s", "mtp": "N"}
+SWEEP_TITLES = {"vocab": "vocabulary size V", "seq": "sequence length s", "mtp": "MTP depth N",
+                "realistic": "sequence length s at a real vocabulary"}
+SWEEP_SYMBOLS = {"vocab": "V", "seq": "s", "mtp": "N", "realistic": "s"}
+SWEEP_ATTRIBUTES = {"vocab": "vocab", "seq": "seq", "mtp": "mtp", "realistic": "seq"}  # the Shape field each varies
+
+
+def sweep_title(config: Config, sweep: str) -> str:
+    if sweep == "realistic":
+        return f"sequence length s at V = {config.realistic_vocab:,}"
+    return SWEEP_TITLES[sweep]
+
+
+def sweeps(config: Config) -> list[str]:
+    """The sweeps ``config`` has points in, in ``SWEEP_TITLES`` order."""
+    present = {name for name, _ in config.points()}
+    return [sweep for sweep in SWEEP_TITLES if sweep in present]
 GOALS = {
     "flops": "training FLOPs, lean ≤ stock",
     "detach_flops": "training FLOPs, lean + `detach_head` ≤ stock − N·2·T·h·V/tp",
@@ -283,8 +297,8 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
               "verl's engine passes labels to its `no_grad` log-prob passes too, so its patch runs the MTP block and "
               "heads there as well, and returns logits."]
     lines += ["", *_goal_lines(config, point["goals"])]
-    for sweep, title in SWEEP_TITLES.items():
-        lines += ["", *_sweep_lines(config, result, sweep, title)]
+    for sweep in sweeps(config):
+        lines += ["", *_sweep_lines(config, result, sweep, sweep_title(config, sweep))]
     lines += ["", *_trainer_lines(config, result)]
     if plot_name:
         lines += ["", f"![training FLOPs, peak live memory and time by variant; lower is better]({plot_name})"]
@@ -422,7 +436,7 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
         syncs = _cell(str(g["syncs"]), g["syncs_ok"]) if "syncs" in g else "–"
         infer = _verdict(g.get("inference_ok"))
         time_cell = f"{_ratio_range(g.get('time'))} {g.get('time_verdict', NA)}" if g.get("time") else NA
-        lines.append(f"| {getattr(shape, sweep):,} | {_gflop(stock['train']['flops']) if stock else '–'} | {flops} | {detach} | "
+        lines.append(f"| {getattr(shape, SWEEP_ATTRIBUTES[sweep]):,} | {_gflop(stock['train']['flops']) if stock else '–'} | {flops} | {detach} | "
                      f"{memory} | {syncs} | {infer} | {time_cell} | {_ratio(lean.get('memory_vs_floor'), 2) if lean else '–'} | "
                      f"{_verl_cell(point['variants'])} | {_load_cell(point.get('load'))} |")
     return lines
@@ -447,11 +461,13 @@ def plot(config: Config, result: dict[str, Any], path: str) -> None:
 
     key = time_key(config)
     basis = result.get("time_basis", "wall time")
-    fig, axes = plt.subplots(3, len(SWEEP_TITLES), figsize=(15, 11), squeeze=False)
+    columns = sweeps(config)
+    fig, axes = plt.subplots(3, len(columns), figsize=(5 * len(columns), 11), squeeze=False)
     names = [n for n in result["variants"] if n not in TRAINER_VARIANTS]
-    for col, (sweep, title) in enumerate(SWEEP_TITLES.items()):
+    for col, sweep in enumerate(columns):
+        title = sweep_title(config, sweep)
         shapes = [shape for name, shape in config.points() if name == sweep and shape.key in result["points"]]
-        xs = [getattr(shape, sweep) for shape in shapes]
+        xs = [getattr(shape, SWEEP_ATTRIBUTES[sweep]) for shape in shapes]
         points = [result["points"][shape.key] for shape in shapes]
         log_x = sweep != "mtp"
         for index, name in enumerate(names):

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size).*")
 
-from benchmarks import models, report  # noqa: E402
+from benchmarks import loss_shapes, models, report  # noqa: E402
 from benchmarks.configs import CONFIGS, Config  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.shape_run import run_shape  # noqa: E402
@@ -61,9 +61,13 @@ def measure(config: Config, names: list[str], log: Any = sys.stderr, partial: Op
                 so_far = {"config": config.name, "env": {**env, "load_end": list(os.getloadavg())}, "variants": names,
                           "refused": refused, "points": points, "seconds": time.perf_counter() - started, "complete": False}
                 partial.write_text(json.dumps({"raw": so_far}, indent=1))
+        losses = []
+        for vocab, tokens, hidden in config.loss_shapes:
+            losses.append(loss_shapes.measure(vocab, tokens, hidden, config.rounds, log=log))
+            print(f"loss alone V={vocab:,} tokens={tokens:,} done at {time.perf_counter() - started:.0f} s", file=log, flush=True)
         env["load_end"] = list(os.getloadavg())
     return {"config": config.name, "env": env, "variants": names, "refused": refused, "points": points,
-            "seconds": time.perf_counter() - started, "complete": True}
+            "loss_shapes": losses, "seconds": time.perf_counter() - started, "complete": True}
 
 
 # Exact goals that hold at every shape; ``--check`` fails the run when one is missed. The memory goal
@@ -77,6 +81,10 @@ def failed_checks(result: dict[str, Any], skippable: tuple[str, ...] = ("verl",)
     failures = [f"{key}: {goal.replace('_ok', '')} missed" for key, point in result["points"].items()
                 for goal in CHECKED_GOALS if point["goals"].get(goal) is False]
     failures += [f"variant {name} skipped: {why}" for name, why in result["refused"].items() if name not in skippable]
+    for loss in result.get("loss_shapes", []):
+        where = f"loss alone V{loss['vocab']}-T{loss['tokens']}"
+        failures += [f"{where}: flops missed"] if not loss["flops_ok"] else []
+        failures += [f"{where}: {name} host syncs / H2D missed" for name, row in loss["variants"].items() if row["counts_ok"] is False]
     return failures
 
 
@@ -149,9 +157,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         raw = measure(config, names, partial=out_dir / "results.partial.json")
     result = report.summarize(config, raw)
+    result["loss_shapes"] = [loss_shapes.summarize(loss) for loss in raw.get("loss_shapes", [])]
     png = out_dir / f"bench_{config.name}.png"
     report.plot(config, result, str(png))
     markdown_text = report.markdown(config, result, plot_name=png.name)
+    if result["loss_shapes"]:
+        markdown_text += "\n" + loss_shapes.markdown(result["loss_shapes"])
     (out_dir / "results.md").write_text(markdown_text)
     with open(out_dir / "results.json", "w") as out:
         json.dump({"summary": result, "raw": raw}, out, indent=1)

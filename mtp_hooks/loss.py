@@ -94,7 +94,7 @@ def _add_weight_grad_(acc: Tensor, grad: Tensor, rounded: Tensor, hidden: Tensor
     in ``acc.dtype``; ``rounded``: the same in the head's dtype).
 
     Low-precision operands go through a GEMM with an ``acc.dtype`` output where torch has one for
-    the device (``rounded``, at unit scale, see ``LeanMTPLoss``), else are upcast.
+    the device (``rounded``), else are upcast.
     """
     if hidden.dtype == acc.dtype:
         torch.addmm(acc, grad.t(), hidden, out=acc)
@@ -242,14 +242,15 @@ class LeanMTPLoss(torch.autograd.Function):
     casting it, too. ``weight_grad`` says how the head weight's gradient is made:
     ``"recompute"`` recomputes logits in backward, one vocabulary slice at a time; ``"fused"``
     accumulates it during forward into one ``[V/tp, H]`` buffer (fp32 for half, bf16 and fp32
-    inputs; token weights normalised by their largest, so half-precision GEMM operands stay at
-    unit scale), which backward scales by the upstream gradient. With ``main_grad_protocol``
+    inputs; fp16's token weights normalised by their largest, so its GEMM operands stay in
+    range), which backward scales by the upstream gradient. With ``main_grad_protocol``
     (``main_grad.follows_main_grad_protocol``) backward adds the weight gradient to
     ``weight.main_grad`` and returns mcore's placeholder, as mcore's output layer does. With the
     weight detached neither does any weight-gradient work. Tokens are independent, so the caller
     may pass several depths' tokens at once (each carrying its own coefficient in
     ``token_weight``) and split the per-token outputs; fused, the depths then share one
-    accumulator. Each chunk's temporaries are freed before the next chunk is computed.
+    accumulator. Every chunk's logits are written into one buffer (``workspace``), and a chunk's
+    other temporaries are freed before the next chunk is computed.
     """
 
     @staticmethod

@@ -124,12 +124,14 @@ def test_host_to_device_counts_tensors_made_from_host_data_only() -> None:
 
     x = torch.ones(4)
     with HostToDevice() as h2d:
-        _ = x * 0.5 + torch.full((4,), 2.0)  # Python numbers as kernel arguments: not counted
+        # Python numbers as kernel arguments, a device scalar made by a fill kernel: not counted
+        _ = x * 0.5 + torch.full((4,), 2.0) + torch.scalar_tensor(3.0) + x.clamp(min=1)
     assert h2d.count == 0, dict(h2d.by_op)
     with HostToDevice() as h2d:
         torch.tensor([1.0, 2.0])
-        torch.scalar_tensor(3.0)
-    assert dict(h2d.by_op) == {"aten::lift_fresh": 1, "aten::scalar_tensor": 1}
+        x.new_tensor(x.numel())
+        torch.as_tensor(0.5, dtype=torch.float32)
+    assert dict(h2d.by_op) == {"aten::lift_fresh": 3}
 
 
 def test_check_fails_on_a_missed_exact_goal_or_a_skipped_variant_but_not_on_verl() -> None:

@@ -381,3 +381,22 @@ def group() -> Iterator[SpawnedGroup]:
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_fused_vocab_parallel_matches_full_vocabulary_reference(group: SpawnedGroup, objective: str) -> None:
     group.run(scenario_fused_vocab_parallel, {"tensor_model_parallel_size": 2}, objective=objective)
+
+
+@pytest.mark.parametrize("weight_grad", WEIGHT_GRAD_MODES)
+def test_chunk_loops_write_every_chunk_into_one_buffer(weight_grad: str) -> None:
+    """Forward makes one ``[chunk, V]`` logits buffer for all chunks (fresh pages per chunk cost as much
+    as the chunk's matmul on CPU); recompute's backward one ``[T, slice]`` buffer for all slices."""
+    case = make_case(seed=91, tokens=12, hidden=7, vocab=11)
+    hidden, weight = case.leaves(torch.float32)
+    probe = NewStorages()
+    with probe:
+        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 3, "ce", None, weight_grad)
+    assert [entry for entry in probe.outputs if entry[0] == (3 * 11,)] == [((3 * 11,), torch.float32)], probe.outputs
+    assert not [entry for entry in probe.outputs if entry[0] == (3, 11)], "a chunk's logits allocated outside the buffer"
+    probe = NewStorages()
+    with probe:
+        out.objective.backward()
+    slices = [entry for entry in probe.outputs if len(entry[0]) == 1 and entry[0][0] % 12 == 0 and entry[0][0] > 12]
+    assert len(slices) == (1 if weight_grad == "recompute" else 0), probe.outputs
+    assert not [entry for entry in probe.outputs if len(entry[0]) == 2 and entry[0][0] == 12 and entry[0][1] != 7], probe.outputs
