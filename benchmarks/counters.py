@@ -17,6 +17,9 @@ them and one run per variant and shape is enough:
   sync made *inside* one op's kernel (e.g. a C++ kernel reading a device value into a host size, as
   ``masked_select`` or ``repeat_interleave`` without ``output_size`` do on CUDA), nor
   ``torch.cuda.synchronize()`` / stream or event waits (not aten ops): those it reports as 0.
+* ``HostReads``: a function mode counting the Python calls that read tensor values on the host
+  (``tolist``, ``item``, ``bool()``, ``int()``, ``float()``, ``numpy``): it sees the reads that
+  ``HostSyncs`` cannot on CPU, where ``tolist`` dispatches no op (on a GPU it is a blocking copy).
 * ``HostToDevice``: a dispatch mode counting tensors made from host data inside the call: ``lift_fresh``
   (``torch.tensor(python data)``, ``new_tensor``, ``as_tensor``), and ``_to_copy`` / ``copy_`` from a
   CPU tensor into a tensor on another device. On a GPU each is a host-to-device copy; on CPU the first
@@ -33,6 +36,7 @@ from collections import Counter
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -162,6 +166,31 @@ class HostSyncs(TorchDispatchMode):
             if any(d not in ("cpu", "meta") for d in sources) and "cpu" in targets:
                 self.by_op[f"{name} (to host)"] += 1
         return out
+
+
+_READ_METHODS = {
+    torch.Tensor.tolist: "tolist", torch.Tensor.item: "item", torch.Tensor.__bool__: "bool",
+    torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
+    torch.Tensor.numpy: "numpy",
+}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts Python-level reads of tensor values by the host (``_READ_METHODS``); ``by_op`` says which."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        name = _READ_METHODS.get(func)
+        if name is not None:
+            self.by_op[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 # Ops that make a tensor out of host data.

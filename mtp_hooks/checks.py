@@ -40,7 +40,7 @@ def check_targets(labels: Any, loss_mask: Any, validate: Validate) -> None:
         raise bad_argument("loss_mask", f"a tensor on the device of labels ({labels.device})", f"a tensor on {loss_mask.device}")
     if loss_mask.dtype != torch.bool and validate != "off":
         other = (loss_mask != 0) & (loss_mask != 1)
-        _require(~other.any(), validate, lambda: _not_binary(loss_mask, other))
+        require(~other.any(), validate, lambda: _not_binary(loss_mask, other))
 
 
 def check_loss_scale(name: str, value: Any) -> Any:
@@ -72,10 +72,10 @@ def check_label_range(labels: Tensor, loss_mask: Optional[Tensor], vocab_size: i
     outside = (labels < 0) | (labels >= vocab_size)
     if loss_mask is not None:
         outside &= loss_mask != 0
-    _require(~outside.any(), validate, lambda: _outside_vocabulary(labels, outside, loss_mask is None, vocab_size))
+    require(~outside.any(), validate, lambda: _outside_vocabulary(labels, outside, loss_mask is None, vocab_size))
 
 
-def _require(ok: Tensor, validate: Validate, error: Callable[[], MTPHooksError]) -> None:
+def require(ok: Tensor, validate: Validate, error: Callable[[], MTPHooksError]) -> None:
     """Raise ``error()`` unless the 0-dim bool ``ok`` holds, as ``validate`` says (module docstring)."""
     if validate == "off":
         return

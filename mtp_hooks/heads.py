@@ -126,7 +126,7 @@ def attach_mtp_losses(
         loss_scale = loss_scale * micro_batch_scale
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
     cp_group = _mcore.cp_group_of(model, packed_seq_params)
-    targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
+    targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group, validate=options.validate)
     # A count made on the device, not a tensor built from a host value (a blocking copy on a GPU).
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from mtp_hooks import _mcore
-from mtp_hooks.errors import bad_argument, describe
+from mtp_hooks.checks import Validate, require
+from mtp_hooks.errors import MTPHooksError, bad_argument, describe
 
 
 def mtp_targets(
@@ -43,6 +44,7 @@ def mtp_targets(
     *,
     packed_seq_params: Any = None,
     cp_group: Optional[torch.distributed.ProcessGroup] = None,
+    validate: Validate = "device",
 ) -> list[tuple[Tensor, Tensor]]:
     """Per-depth MTP targets ``[(labels_1, mask_1), ..., (labels_N, mask_N)]`` of one micro-batch.
 
@@ -58,6 +60,8 @@ def mtp_targets(
         packed_seq_params: mcore ``PackedSeqParams`` of a packed THD batch (``b == 1``; global
             ``cu_seqlens_q``, optional ``cu_seqlens_q_padded``), or ``None``.
         cp_group: context-parallel group, or ``None``.
+        validate: how a packed layout's values are checked (``checks``): ``"device"`` (no host
+            sync; on a GPU a device-side assert), ``"host"`` or ``"off"``.
 
     Returns:
         ``depth`` pairs of tensors shaped like ``labels``: labels in its dtype, float32 masks.
@@ -81,8 +85,8 @@ def mtp_targets(
     if packed_seq_params is not None:
         if labels.shape[0] != 1:
             raise bad_argument("labels", "[1, t] for packed sequences (THD: batch 1, tokens along dim 1)", describe(labels))
-        layout = _without_empty_slots(packed_layout(packed_seq_params))
-        mask = mask * _real_tokens(packed_seq_params, labels.shape[1], cp_group, labels.device)
+        layout = _without_empty_slots(packed_layout(packed_seq_params), cp_group)
+        mask = mask * _real_tokens(packed_seq_params, labels.shape[1], cp_group, labels.device, validate)
     out = []
     for _ in range(depth):
         labels, _sum = _mcore.roll_left(labels, cp_group, layout)
@@ -106,7 +110,7 @@ def align_with_depths(
     those positions have ``mask_k == 0`` in ``mtp_targets``). Same sequences, padding and CP
     exchange as ``mtp_targets``; the result is detached.
     """
-    layout = None if packed_seq_params is None else _without_empty_slots(packed_layout(packed_seq_params))
+    layout = None if packed_seq_params is None else _without_empty_slots(packed_layout(packed_seq_params), cp_group)
     rolled = hidden.detach().permute(1, 2, 0)  # [b, h, s]: mcore rolls the last dim
     out = []
     for _ in range(depth):
@@ -145,41 +149,59 @@ def packed_layout(packed_seq_params: Any) -> Any:
     )
 
 
-def _without_empty_slots(layout: Any) -> Any:
+def _without_empty_slots(layout: Any, cp_group: Any) -> Any:
     """``layout`` minus zero-length slots, which hold no token but make mcore's CP roll index an
-    empty chunk (``IndexError`` in 0.16.1)."""
+    empty chunk (``IndexError`` in 0.16.1). Without CP mcore rolls slot by slot, where an empty one
+    is harmless, and ``layout`` is returned as it is (``unique_consecutive`` syncs on a GPU)."""
+    if _mcore.group_size(cp_group) == 1:
+        return layout
     bounds = layout.cu_seqlens_q
     kept = torch.unique_consecutive(bounds)
     return layout if kept.numel() == bounds.numel() else dataclasses.replace(layout, cu_seqlens_q=kept)
 
 
-def _real_tokens(packed_seq_params: Any, length: int, cp_group: Any, device: torch.device) -> Tensor:
-    """``[length]`` float: 1 at this rank's positions that hold a real token of some sequence."""
-    unpadded = packed_seq_params.cu_seqlens_q
+def _real_tokens(packed_seq_params: Any, length: int, cp_group: Any, device: torch.device, validate: Validate) -> Tensor:
+    """``[length]`` float: 1 at this rank's positions that hold a real token of some sequence.
+
+    Computed on the device from the slot bounds (no host read of ``cu_seqlens``); a layout that
+    does not fit the row is refused through ``checks.require`` (``validate``: a device-side check by
+    default, the full message at once on CPU or with ``"host"``).
+    """
+    unpadded = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.long)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-    bounds = (unpadded if padded is None else padded).tolist()
-    lengths = (unpadded[1:] - unpadded[:-1]).tolist()
+    bounds = unpadded if padded is None else padded.to(device=device, dtype=torch.long)
+    tokens, slots = unpadded[1:] - unpadded[:-1], bounds[1:] - bounds[:-1]
     cp, cp_rank = _mcore.group_size(cp_group), _mcore.group_rank(cp_group)
-    real = torch.zeros(length, dtype=torch.float32, device=device)
-    for start, end, tokens in zip(bounds[:-1], bounds[1:], lengths):
+    fits = ((tokens >= 0) & (tokens <= slots)).all()
+    require(fits, validate, lambda: _layout_error(bounds, tokens, slots, length, cp, "tokens"))
+    if cp > 1:
+        even = ((slots % (2 * cp) == 0) & (bounds[:-1] % cp == 0)).all()
+        require(even, validate, lambda: _layout_error(bounds, tokens, slots, length, cp, "even"))
+    inside = bounds[-1] // cp <= length if bounds.numel() else torch.ones((), dtype=torch.bool, device=device)
+    require(inside, validate, lambda: _layout_error(bounds, tokens, slots, length, cp, "inside"))
+    if slots.numel() == 0:
+        return torch.zeros(length, dtype=torch.float32, device=device)
+    local = torch.arange(length, device=device)
+    starts = bounds[:-1] // cp  # each slot's first position on this rank
+    slot = torch.searchsorted(starts, local, right=True).sub_(1).clamp_(min=0)
+    offset = local - starts[slot]  # position within the slot's part on this rank
+    if cp > 1:  # chunks cp_rank and 2cp - 1 - cp_rank of the slot, c tokens each
+        chunk = slots[slot] // (2 * cp)
+        offset = torch.where(offset < chunk, cp_rank * chunk + offset, (2 * cp - 1 - cp_rank) * chunk + offset - chunk)
+    past_start = local >= starts[0]
+    in_slot = local < bounds[-1] // cp
+    return (past_start & in_slot & (offset < tokens[slot])).float()
+
+
+def _layout_error(bounds: Tensor, tokens: Tensor, slots: Tensor, length: int, cp: int, failed: str) -> MTPHooksError:
+    """The error for a packed layout that does not fit this rank's row, naming the first bad slot."""
+    starts, ends, counts = bounds[:-1].tolist(), bounds[1:].tolist(), tokens.tolist()
+    for start, end, count in zip(starts, ends, counts):
         slot = end - start
-        if not 0 <= tokens <= slot:
-            raise bad_argument(
-                "packed_seq_params", "sequence lengths (cu_seqlens_q) within their padded slots (cu_seqlens_q_padded)", f"{tokens} tokens in a slot of {slot}"
+        if failed == "tokens" and not 0 <= count <= slot:
+            return bad_argument(
+                "packed_seq_params", "sequence lengths (cu_seqlens_q) within their padded slots (cu_seqlens_q_padded)", f"{count} tokens in a slot of {slot}"
             )
-        if slot % (2 * cp if cp > 1 else 1) or start % cp:
-            raise bad_argument("packed_seq_params", f"slots divisible into 2 * cp = {2 * cp} chunks", f"slot [{start}, {end})")
-        if end // cp > length:
-            raise bad_argument("packed_seq_params", f"slots within the {length} tokens of this rank", f"slot [{start}, {end})")
-        if cp == 1:
-            real[start : start + tokens] = 1
-            continue
-        chunk = slot // (2 * cp)
-        offsets = torch.cat(
-            [
-                torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
-                torch.arange((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk, device=device),
-            ]
-        )
-        real[start // cp : start // cp + 2 * chunk] = (offsets < tokens).float()
-    return real
+        if failed == "even" and (slot % (2 * cp) or start % cp):
+            return bad_argument("packed_seq_params", f"slots divisible into 2 * cp = {2 * cp} chunks", f"slot [{start}, {end})")
+    return bad_argument("packed_seq_params", f"slots within the {length} tokens of this rank", f"slots up to {int(bounds[-1])} over cp = {cp}")

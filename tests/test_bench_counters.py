@@ -150,3 +150,15 @@ def test_time_verdict_straddling_the_threshold_reads_inconclusive() -> None:
 
     assert NOISE == "inconclusive"
     assert time_verdict(time_ratio([0.9, 1.1, 1.0], [1.0, 1.0, 1.0])) == "inconclusive"
+
+
+def test_host_reads_see_tolist_and_scalar_conversions_that_dispatch_nothing_on_cpu() -> None:
+    from benchmarks.counters import HostReads
+
+    t = torch.arange(4)
+    with HostReads() as reads, HostSyncs() as syncs:
+        t.tolist()
+        int(t[1])
+        _ = t * 2 + t.sum()  # device math: no read
+    assert dict(reads.by_op) == {"tolist": 1, "int": 1}
+    assert syncs.count == 1  # the dispatch counter sees int()'s _local_scalar_dense, not tolist

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import mtp_hooks
-from benchmarks.counters import HostSyncs, HostToDevice
-from tests.mcore_cpu import TinyGPT, hooked_train_step, make_batch
+from benchmarks.counters import HostReads, HostSyncs, HostToDevice
+from mtp_hooks import _mcore
+from tests.mcore_cpu import TinyGPT, hooked_train_step, main_ce_from_logits, make_batch, masked_mean
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)
@@ -106,3 +107,48 @@ def test_training_micro_batch_on_cuda_passes_sync_debug_mode_error() -> None:  #
         torch.cuda.set_sync_debug_mode("default")
     assert host_data.count == 0, dict(host_data.by_op)
     assert hooks.metrics()["mtp_1/tokens"] > 0
+
+
+@pytest.mark.skipif(not _mcore.ROLLS_PACKED_SEQUENCES, reason="megatron-core < 0.16.1 refuses MTP with packed sequences")
+@pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}], ids=["lean", "dense"])
+def test_packed_micro_batches_sync_no_more_than_stock(options: dict[str, Any]) -> None:
+    """mcore's own rolls read ``cu_seqlens`` on the host (stock's syncs); the hooks' packed work
+    (real-token mask, layout checks) adds none, and the inference micro-batch makes none at all."""
+    from tests.test_side_by_side import VOCAB as PACKED_VOCAB
+    from tests.test_side_by_side import packed_batch
+
+    batch, params = packed_batch()
+    spec = TinyGPT(vocab_size=PACKED_VOCAB)
+    stock, hooked = spec.build(), spec.build()
+    with HostSyncs() as stock_syncs, HostToDevice() as stock_h2d:
+        per_token = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=params)
+        masked_mean(per_token, batch.loss_mask).backward()
+    hooks = mtp_hooks.attach(hooked, **options)
+    with HostSyncs() as syncs, HostToDevice() as h2d:
+        with hooks.micro_batch(batch.labels, batch.loss_mask):
+            logits = hooked(*batch.model_args, packed_seq_params=params)
+        masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    assert syncs.count <= stock_syncs.count, (dict(syncs.by_op), dict(stock_syncs.by_op))
+    assert h2d.count <= stock_h2d.count, (dict(h2d.by_op), dict(stock_h2d.by_op))
+    assert hooks.metrics()["mtp_1/tokens"] > 0
+    with HostSyncs() as syncs, HostToDevice() as h2d, torch.no_grad():
+        hooked(*batch.model_args, packed_seq_params=params)
+    assert syncs.count == 0 and h2d.count == 0, (dict(syncs.by_op), dict(h2d.by_op))
+
+
+@pytest.mark.skipif(not _mcore.ROLLS_PACKED_SEQUENCES, reason="megatron-core < 0.16.1 refuses MTP with packed sequences")
+def test_packed_targets_make_no_host_sync_of_their_own() -> None:
+    """``mtp_targets`` on a packed row: every sync and host read it makes is inside mcore's ``roll_tensor``
+    (``HostReads`` also sees ``tolist``, which dispatches nothing on CPU)."""
+    from tests.test_side_by_side import packed_batch
+
+    batch, params = packed_batch()
+    with HostSyncs() as all_syncs, HostReads() as all_reads:
+        mtp_hooks.mtp_targets(batch.labels, batch.loss_mask, 2, packed_seq_params=params)
+    with HostSyncs() as roll_syncs, HostReads() as roll_reads:  # the same rolls, alone
+        for tensor in (batch.labels, batch.loss_mask.float()):
+            rolled = tensor
+            for _ in range(2):
+                rolled, _sum = _mcore.roll_left(rolled, None, params)
+    assert all_syncs.count == roll_syncs.count, (dict(all_syncs.by_op), dict(roll_syncs.by_op))
+    assert all_reads.by_op == roll_reads.by_op, (dict(all_reads.by_op), dict(roll_reads.by_op))
