@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from benchmarks.counters import HostSyncs, HostToDevice
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
@@ -39,7 +40,6 @@ from tests.mcore_cpu import (
     masked_mean,
     stock_mtp_losses,
 )
-from tests.test_host_syncs import HostData, HostSyncs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -314,12 +314,12 @@ def test_loss_mask_none_micro_batch_builds_no_tensor_from_host_data(path: str, p
     batch = make_batch(VOCAB, mask="none", seed=41)
     hooks = mtp_hooks.attach(hooked, loss_impl=path)
     step(lambda: stock_loss(stock, batch), 1.0)
-    with HostData() as host_data, HostSyncs() as syncs:
+    with HostToDevice() as host_data, HostSyncs() as syncs:
         with hooks.micro_batch(batch.labels, None):
             logits = hooked(*batch.model_args)
         masked_mean(main_ce_from_logits(logits, batch.labels), None).backward()
-    assert syncs.seen == [], syncs.seen
+    assert syncs.count == 0, dict(syncs.by_op)
     if path != "dense":  # dense runs mcore's own CE per depth, as stock (see tests.test_host_syncs)
-        assert host_data.seen == [], host_data.seen
+        assert host_data.count == 0, dict(host_data.by_op)
     for (name, p), ref in zip(hooked.named_parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, ref.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
