@@ -143,9 +143,8 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-class HostSyncs(TorchDispatchMode):
-    """Counts host syncs: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``is_nonzero``,
-    ``nonzero``, ``item``, and copies from a device to the host. ``by_op`` says which."""
+class _ByOp:
+    """Counts per op name (``by_op``) and their total (``count``); the base of the counting modes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -154,6 +153,11 @@ class HostSyncs(TorchDispatchMode):
     @property
     def count(self) -> int:
         return sum(self.by_op.values())
+
+
+class HostSyncs(_ByOp, TorchDispatchMode):
+    """Counts host syncs: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``is_nonzero``,
+    ``nonzero``, ``item``, and copies from a device to the host. ``by_op`` says which."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = func._schema.name
@@ -175,16 +179,8 @@ _READ_METHODS = {
 }
 
 
-class HostReads(TorchFunctionMode):
+class HostReads(_ByOp, TorchFunctionMode):
     """Counts Python-level reads of tensor values by the host (``_READ_METHODS``); ``by_op`` says which."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_op: Counter[str] = Counter()
-
-    @property
-    def count(self) -> int:
-        return sum(self.by_op.values())
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = _READ_METHODS.get(func)
@@ -197,17 +193,9 @@ class HostReads(TorchFunctionMode):
 _FROM_HOST_OPS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy"})
 
 
-class HostToDevice(TorchDispatchMode):
+class HostToDevice(_ByOp, TorchDispatchMode):
     """Counts tensors made from host data (``lift_fresh``) and host-to-device
     copies (``_to_copy`` / ``copy_`` from a CPU tensor into another device's); ``by_op`` says which."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_op: Counter[str] = Counter()
-
-    @property
-    def count(self) -> int:
-        return sum(self.by_op.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = func._schema.name
