@@ -31,7 +31,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, ensure_venv, find_python312, parse_counts  # noqa: E402
-from matrix import environment  # noqa: E402
+from matrix import environment, split_pytest_args  # noqa: E402
 
 OUT = ROOT / "matrix-out" / "bridges"
 
@@ -84,11 +84,7 @@ def run_release(suite: Suite, version: str, python: Path, bridges: Path, pytest_
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pytest_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, pytest_args = argv[:split], argv[split + 1 :]
+    argv, pytest_args = split_pytest_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="mbridge", help="which bridge (default mbridge)")
     parser.add_argument("--versions", help="comma-separated megatron-core versions (default: every release of the matrix; 0.19.2 for megatron-bridge)")

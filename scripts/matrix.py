@@ -240,12 +240,17 @@ def write_table(outcomes: list[Outcome]) -> Path:
     return path
 
 
+def split_pytest_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The script's own arguments and those after ``--`` (for pytest)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pytest_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, pytest_args = argv[:split], argv[split + 1 :]
+    argv, pytest_args = split_pytest_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", help="comma-separated megatron-core versions (default: all)")
     parser.add_argument("--python311", default=str(ROOT / ".venv" / "bin" / "python"), help="Python 3.11 of the base venv (make venv)")

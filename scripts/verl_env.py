@@ -65,11 +65,7 @@ def run_tests(version: str, python: Path, path: list[Path], pytest_args: list[st
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pytest_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, pytest_args = argv[:split], argv[split + 1 :]
+    argv, pytest_args = matrix.split_pytest_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python311", default=str(ROOT / ".venv" / "bin" / "python"), help="Python 3.11 of the base venv (make venv)")
     parser.add_argument("--python312", default=os.environ.get("PY312"), help="a Python 3.12 interpreter (default: python3.12 on PATH or pyenv's 3.12.1)")
