@@ -250,7 +250,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         f"transformer layers = {base.layers}, N = {base.mtp}. FLOPs: `FlopCounterMode` with in-place matmuls and CPU "
         f"attention added; peak: the most bytes live above those live before the micro-batch "
         f"({memory_how}); host syncs: `_local_scalar_dense` / `is_nonzero` / `nonzero` / `item` / device→host copies; "
-        f"H2D: tensors made from host data (`lift_fresh`, `scalar_tensor`) or copied host→device; "
+        f"H2D: tensors made from host data (`lift_fresh`) or copied host→device; "
         f"time: median (min–max) of {config.rounds} interleaved rounds, verdicts on {basis}."
         + ("" if result.get("seconds") is None else f" Whole run: {result['seconds']:.0f} s.")
         + ("" if result.get("complete", True) else
