@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.counters import HostSyncs, HostToDevice, LiveBytes, count_flops
+from benchmarks.report import ratio_range, time_ratio, time_verdict, verdict
 from mtp_hooks.heads import auto_chunk_size
 from mtp_hooks.logprobs import lean_logprobs
 from mtp_hooks.loss import lean_mtp_loss
@@ -143,8 +144,6 @@ TIMED_GOAL = "fused"
 
 def summarize(measured: dict[str, Any]) -> dict[str, Any]:
     """Ratios to stock and to the floor, per-round time ratios, and every goal's verdict."""
-    from benchmarks.report import time_ratio, time_verdict
-
     stock = measured["variants"]["stock"]
     rows = {}
     for name, v in measured["variants"].items():
@@ -165,8 +164,6 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(summaries: list[dict[str, Any]]) -> str:
     """One table per shape: every variant's counts, ratios and the goals' verdicts."""
-    from benchmarks.report import _ratio_range, _verdict
-
     lines = [
         "The MTP loss alone (`benchmarks/loss_shapes.py`): one depth's loss, forward and "
         "backward, fp32, mcore's gradient-accumulation protocol on for `fused` and `recompute` (the weight carries "
@@ -181,7 +178,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             "",
             f"V = {summary['vocab']:,}, tokens = {summary['tokens']:,}, h = {summary['hidden']}, chunk = "
             f"{summary['chunk']:,} tokens, {summary['rounds']} interleaved rounds, {summary['threads']} threads; "
-            f"FLOPs = stock: {_verdict(summary['flops_ok'])}",
+            f"FLOPs = stock: {verdict(summary['flops_ok'])}",
             "",
             "| variant | FLOPs × stock | peak MiB | peak × floor | CPU s median (min–max) | time × stock, per round | "
             "host syncs, H2D |",
@@ -189,11 +186,11 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         ]
         for name, r in summary["variants"].items():
             t = r["cpu_s"]
-            peak = f"{r['peak_vs_floor']:.3f}" + (f" {_verdict(r['peak_ok'])}" if r["peak_ok"] is not None else "")
-            ratio = "1.00" if r["time_vs_stock"] is None else _ratio_range(r["time_vs_stock"])
+            peak = f"{r['peak_vs_floor']:.3f}" + (f" {verdict(r['peak_ok'])}" if r["peak_ok"] is not None else "")
+            ratio = "1.00" if r["time_vs_stock"] is None else ratio_range(r["time_vs_stock"])
             if r["time_verdict"]:
                 ratio += f" {r['time_verdict']}"
-            counts = f"{r['syncs']}, {r['h2d']}" + (f" {_verdict(r['counts_ok'])}" if r["counts_ok"] is not None else "")
+            counts = f"{r['syncs']}, {r['h2d']}" + (f" {verdict(r['counts_ok'])}" if r["counts_ok"] is not None else "")
             lines.append(f"| {name} | {r['flops_vs_stock']:.3f} | {r['peak'] / 2**20:,.1f} | {peak} | "
                          f"{statistics.median(t):.2f} ({min(t):.2f}–{max(t):.2f}) | {ratio} | {counts} |")
     return "\n".join(lines) + "\n"

@@ -59,7 +59,7 @@ def time_key(config: Config, kind: str = "train") -> str:
     return f"{kind}_cpu_s" if config.device == "cpu" else f"{kind}_s"
 
 
-def _verdict(ok: Optional[bool]) -> str:
+def verdict(ok: Optional[bool]) -> str:
     return NA if ok is None else (MET if ok else MISSED)
 
 
@@ -194,7 +194,7 @@ def _ms_range(t: Optional[dict[str, float]]) -> str:
     return f"{t['median'] * 1e3:,.0f} ({t['min'] * 1e3:,.0f}–{t['max'] * 1e3:,.0f})"
 
 
-def _ratio_range(r: Optional[dict[str, float]]) -> str:
+def ratio_range(r: Optional[dict[str, float]]) -> str:
     if r is None:
         return "–"
     return f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})"
@@ -277,7 +277,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
         lines.append(
             f"| {v['label']} | {v.get('loss_path') or '–'} | {_gflop(tr['flops'])} | {flops_x} | {_ratio(v.get('flops_vs_floor'))} | "
             f"{_mib(tr['peak_bytes'])} | {peak_x} | {_ratio(v.get('memory_vs_floor'), 2)} | {_syncs(tr)} | {_h2d(tr)} | "
-            f"{_ms_range(main_time)} | {_ratio_range(v['train_time_vs_stock'])} | {_ms_range(v['train_time'])} |"
+            f"{_ms_range(main_time)} | {ratio_range(v['train_time_vs_stock'])} | {_ms_range(v['train_time'])} |"
         )
     lines += ["", "Inference micro-batch (forward under `no_grad`), base shape:", "",
               f"| variant | GFLOP | − no-MTP GFLOP | peak MiB | − no-MTP MiB | host syncs | H2D | {basis} ms |",
@@ -330,7 +330,7 @@ def _trainer_lines(config: Config, result: dict[str, Any]) -> list[str]:
         lines.append(f"| {shape_key} | {_gflop(a['train']['flops'])} | {_gflop(b['train']['flops'])} | "
                      f"{_mib(a['train']['peak_bytes'])} | {_mib(b['train']['peak_bytes'])} | "
                      f"{b['train']['peak_bytes'] / a['train']['peak_bytes']:.2f} | "
-                     f"{_mib(a['infer']['peak_bytes'])} / {_mib(b['infer']['peak_bytes'])} | {_ratio_range(t) if t else NA} |")
+                     f"{_mib(a['infer']['peak_bytes'])} / {_mib(b['infer']['peak_bytes'])} | {ratio_range(t) if t else NA} |")
     return lines
 
 
@@ -359,7 +359,7 @@ def trainer_summary(config: Config, result: dict[str, Any]) -> str:
             f's = {shape["seq"]:,}, N = {shape["mtp"]} ({_mib(best[3]["train"]["peak_bytes"])} vs {_mib(best[2]["train"]["peak_bytes"])} MiB), '
             f'for {min(flops):.2f}–{max(flops):.2f}× the FLOPs')
     if t:
-        text += f"; {result.get('time_basis', 'time')} {_ratio_range(t)}× at the base shape ({t['rounds']} interleaved rounds, {time_verdict(t)} against 1.00)"
+        text += f"; {result.get('time_basis', 'time')} {ratio_range(t)}× at the base shape ({t['rounds']} interleaved rounds, {time_verdict(t)} against 1.00)"
     text += ". "
     if worst[0] < 1.0:
         text += 'When the RL loss needs only per-token log-probs and entropy, use `output="logprobs"`.'
@@ -372,24 +372,24 @@ def _goal_lines(config: Config, g: dict[str, Any]) -> list[str]:
     lines = [f"Goals for `mtp_hooks` lean (`attach(model)`, the default), base shape; every sweep point below.", "",
              "| goal | measured | verdict |", "|---|---|---|"]
     if "flops_ratio" in g:
-        lines.append(f"| {GOALS['flops']} | {g['flops_ratio']:.3f} × stock | {_verdict(g['flops_ok'])} |")
+        lines.append(f"| {GOALS['flops']} | {g['flops_ratio']:.3f} × stock | {verdict(g['flops_ok'])} |")
     if "detach_flops" in g:
         lines.append(f"| {GOALS['detach_flops']} | {_x_stock(g['detach_flops'], g)} vs bound {_x_stock(g['detach_flops_bound'], g)} "
-                     f"({g['detach_flops']:,} vs {g['detach_flops_bound']:,} FLOPs) | {_verdict(g['detach_flops_ok'])} |")
+                     f"({g['detach_flops']:,} vs {g['detach_flops_bound']:,} FLOPs) | {verdict(g['detach_flops_ok'])} |")
     if "memory" in g:
         acc = f" (accumulator {_mib(g['memory_accumulator'])} MiB included)" if g["memory_accumulator"] else ""
         lines.append(f"| {GOALS['memory']} | {_mib(g['memory'])} MiB vs target {_mib(g['memory_target'])} MiB{acc}; "
-                     f"stock {_mib(g['memory_stock'])} MiB | {_verdict(g['memory_ok'])} |")
+                     f"stock {_mib(g['memory_stock'])} MiB | {verdict(g['memory_ok'])} |")
     if "inference_ok" in g:
         lines.append(f"| {GOALS['inference']} | {g['infer_flops']:,} vs {g['infer_flops_floor']:,} FLOPs; "
-                     f"{g['infer_peak']:,} vs {g['infer_peak_floor']:,} bytes | {_verdict(g['inference_ok'])} |")
+                     f"{g['infer_peak']:,} vs {g['infer_peak_floor']:,} bytes | {verdict(g['inference_ok'])} |")
     if "syncs" in g:
-        lines.append(f"| {GOALS['syncs']} | {g['syncs']} | {_verdict(g['syncs_ok'])} |")
+        lines.append(f"| {GOALS['syncs']} | {g['syncs']} | {verdict(g['syncs_ok'])} |")
     if "h2d" in g:
-        lines.append(f"| {GOALS['h2d']} | {g['h2d']} vs stock {g['h2d_stock']} | {_verdict(g['h2d_ok'])} |")
+        lines.append(f"| {GOALS['h2d']} | {g['h2d']} vs stock {g['h2d_stock']} | {verdict(g['h2d_ok'])} |")
     if "time" in g:
-        wall = f"; wall {_ratio_range(g['wall'])}" if g.get("wall") else ""
-        lines.append(f"| {GOALS['time']} | {_ratio_range(g['time'])}{wall} | {g['time_verdict']} |")
+        wall = f"; wall {ratio_range(g['wall'])}" if g.get("wall") else ""
+        lines.append(f"| {GOALS['time']} | {ratio_range(g['time'])}{wall} | {g['time_verdict']} |")
     return lines
 
 
@@ -410,7 +410,7 @@ def _load_cell(load: Optional[dict[str, float]]) -> str:
 
 
 def _cell(text: str, ok: Optional[bool]) -> str:
-    return f"{text} {_verdict(ok)}" if ok is not None else text
+    return f"{text} {verdict(ok)}" if ok is not None else text
 
 
 def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str) -> list[str]:
@@ -434,8 +434,8 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
                   if "detach_flops" in g else "–")
         memory = _cell(f"{_mib(g['memory'])} / {_mib(g['memory_target'])}", g["memory_ok"]) if "memory" in g else "–"
         syncs = _cell(str(g["syncs"]), g["syncs_ok"]) if "syncs" in g else "–"
-        infer = _verdict(g.get("inference_ok"))
-        time_cell = f"{_ratio_range(g.get('time'))} {g.get('time_verdict', NA)}" if g.get("time") else NA
+        infer = verdict(g.get("inference_ok"))
+        time_cell = f"{ratio_range(g.get('time'))} {g.get('time_verdict', NA)}" if g.get("time") else NA
         lines.append(f"| {getattr(shape, SWEEP_ATTRIBUTES[sweep]):,} | {_gflop(stock['train']['flops']) if stock else '–'} | {flops} | {detach} | "
                      f"{memory} | {syncs} | {infer} | {time_cell} | {_ratio(lean.get('memory_vs_floor'), 2) if lean else '–'} | "
                      f"{_verl_cell(point['variants'])} | {_load_cell(point.get('load'))} |")
