@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env test-verl install-check
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +52,11 @@ test-megatron-bridge: venv  ## the bridge-built families through megatron-bridge
 # not skip, when verl cannot be imported. PYTHONPATH=.verl/py311 .venv/bin/python imports verl.
 VERL_OPTS = $(if $(PY312),--python312 $(PY312))
 
-verl-env: venv  ## build .verl/py311 and .verl/py312 (verl 0.9.1 over the base venvs)
+verl-env: venv  ## build .verl/py311 and .verl/py312 (verl 0.9.1 over the base venvs; .venv-py312's CUDA torch is about 2.2 GB to fetch)
 	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) --build-only
+
+verl-env-py311: venv  ## build .verl/py311 only (what make bench's verl variant uses): no Python 3.12 venv, no CUDA torch
+	$(PY) scripts/verl_env.py --python311 $(PY) --py311-only --build-only
 
 test-verl: venv  ## the verl 0.9.1 integration tests on megatron-core 0.16.1 and 0.19.2
 	$(PY) scripts/verl_env.py --python311 $(PY) $(VERL_OPTS) -- $(PYTEST_ARGS)
@@ -74,5 +77,5 @@ examples: venv  ## run examples/quickstart.py and examples/rl_step.py
 	$(PY) examples/quickstart.py
 	$(PY) examples/rl_step.py
 
-clean:
-	rm -rf $(VENV) bench-out .verl .bridges
+clean:  ## remove what the targets made: every venv, the release folders, overlays and outputs
+	rm -rf $(VENV) .venv-* .mcore .verl .bridges bench-out matrix-out

@@ -101,13 +101,24 @@ def ensure_venv(venv: Path, interpreter: str, requirements: Path) -> Path:
     wanted = sha256(requirements)
     if python.exists() and stamp.exists() and stamp.read_text() == wanted:
         return python
-    log(f"building {venv.name} from {requirements.relative_to(ROOT)}")
+    log(f"building {venv.name} from {requirements.relative_to(ROOT)}{download_note(requirements)}")
     if venv.exists():
         shutil.rmtree(venv)
     run([interpreter, "-m", "venv", str(venv)])
     run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)])
     stamp.write_text(wanted)
     return python
+
+
+# What building a base venv fetches, said before it is fetched (PyPI's Linux torch wheel for
+# Python 3.12 is the CUDA build: it runs on CPU, but brings the nvidia-* wheels).
+DOWNLOADS = {"matrix-py312.txt": "torch's CUDA build and its nvidia-* wheels: about 2.2 GB fetched, 4.9 GB on disk"}
+
+
+def download_note(requirements: Path) -> str:
+    """`` (what it fetches)`` for a base venv's build log line, or ``""``."""
+    note = DOWNLOADS.get(requirements.name)
+    return f" ({note})" if note else ""
 
 
 def ensure_target(python: Path, requirements: Path, target: Path) -> Path:

@@ -12,7 +12,11 @@ whose functions this reuses):
 with ``MTP_HOOKS_REQUIRE_VERL=1``, which turns their "verl is not importable" skip into a
 failure, and ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl loads no entry-point plugins).
 
-Usage: ``python scripts/verl_env.py [--build-only] [--python312 PATH] [-- PYTEST_ARGS...]``
+``--py311-only`` builds (and tests) the default stack alone: no ``.venv-py312``, whose torch is
+the CUDA build (about 2.2 GB fetched, 4.9 GB on disk), so a CPU box gets verl for ``make bench``
+without it (``make verl-env-py311``).
+
+Usage: ``python scripts/verl_env.py [--build-only] [--py311-only] [--python312 PATH] [-- PYTEST_ARGS...]``
 """
 
 from __future__ import annotations
@@ -70,14 +74,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--python311", default=str(ROOT / ".venv" / "bin" / "python"), help="Python 3.11 of the base venv (make venv)")
     parser.add_argument("--python312", default=os.environ.get("PY312"), help="a Python 3.12 interpreter (default: python3.12 on PATH or pyenv's 3.12.1)")
     parser.add_argument("--build-only", action="store_true", help="build .verl/py311 and .verl/py312, run no tests")
+    parser.add_argument("--py311-only", action="store_true", help="only the megatron-core 0.16.1 stack (.verl/py311): no Python 3.12 venv")
     args = parser.parse_args(argv)
 
     python311 = Path(args.python311)
     if not python311.exists():
         parser.error(f"{python311} does not exist: build the default venv first (make venv)")
-    interpreter312 = matrix.find_python312(args.python312)
+    interpreter312 = None if args.py311_only else matrix.find_python312(args.python312)
     built = stacks(python311, interpreter312)
-    if interpreter312 is None:
+    if interpreter312 is None and not args.py311_only:
         matrix.log("FAILED: no Python 3.12 interpreter for megatron-core 0.19.2 (set PY312=/path/to/python3.12)")
         return 1
     if args.build_only:
