@@ -193,7 +193,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         "`main_grad`, as under mcore DDP with `gradient_accumulation_fusion=True`). Floor: the outputs (hidden "
         "gradient, mcore's `[V, h]` placeholder or the weight gradient) + one chunk's fp32 logits + per-token "
         f"statistics (`accept`, `accept_T0.7`: `objective=\"accept\"` at T = 1 and 0.7, fused, one more chunk of "
-        "logits for the teacher's softmax). Goals: FLOPs = stock (`accept*`: stock + the teacher's head matmul); peak ≤ {PEAK_GOALS['fused']:.2f} × floor (`fused`), ≤ "
+        f"logits for the teacher's softmax). Goals: FLOPs = stock (`accept*`: stock + the teacher's head matmul); peak ≤ {PEAK_GOALS['fused']:.2f} × floor (`fused`), ≤ "
         f"{PEAK_GOALS['logprobs']:.2f} × floor (`logprobs`); time ≤ 1.00 × stock (`fused`, per-round ratios of "
         "process CPU time); 0 host syncs, 0 host-to-device tensors.",
     ]
