@@ -14,6 +14,10 @@ One MTP depth's loss on ``tokens`` hidden states of size ``hidden`` with an outp
   as under mcore DDP with ``gradient_accumulation_fusion=True``), chunk size from
   ``heads.auto_chunk_size``.
 * ``logprobs``: ``mtp_hooks.logprobs.lean_logprobs`` (``output="logprobs"``) with entropy.
+* ``accept``, ``accept_T0.7``: the fused path with ``objective="accept"`` against a teacher (the main
+  head's input at the matching position) at temperature 1 and 0.7: stock's FLOPs plus the
+  teacher's logits (one head matmul in forward, its weight detached), and one more chunk of fp32
+  logits (the teacher's softmax) in the floor.
 
 Reported per variant: FLOPs (``FlopCounterMode``), peak live bytes above what was live before
 (``benchmarks.counters.LiveBytes``), host syncs and tensors made from host data, and process CPU
@@ -51,6 +55,7 @@ def _inputs(vocab: int, tokens: int, hidden: int, protocol: bool) -> dict[str, A
         "weight": weight,
         "labels": torch.randint(0, vocab, (tokens,), generator=gen),
         "mask": (torch.rand(tokens, generator=gen) > 0.1).float(),
+        "teacher": torch.randn(tokens, hidden, generator=gen),
     }
 
 
@@ -75,6 +80,18 @@ def lean_step(weight_grad: str) -> Callable[[dict[str, Any], int], None]:
     return run
 
 
+def draft_step(objective: str, temperature: float) -> Callable[[dict[str, Any], int], None]:
+    def run(x: dict[str, Any], chunk: int) -> None:
+        coef = 0.1 / x["mask"].sum().clamp(min=1)
+        out = lean_mtp_loss(
+            x["hidden"], x["weight"], x["labels"], x["mask"] * coef, None, chunk, objective, x["teacher"], weight_grad="fused",
+            main_grad_protocol=hasattr(x["weight"], "main_grad"), temperature=temperature,
+        )
+        out.objective.backward()
+
+    return run
+
+
 def logprobs_step(x: dict[str, Any], chunk: int) -> None:
     out = lean_logprobs(x["hidden"], x["weight"], x["labels"], None, chunk, 1.0, True)
     assert out.entropy is not None
@@ -86,13 +103,17 @@ VARIANTS: dict[str, tuple[Callable[[dict[str, Any], int], None], bool]] = {
     "fused": (lean_step("fused"), True),
     "recompute": (lean_step("recompute"), True),
     "logprobs": (logprobs_step, False),
+    "accept": (draft_step("accept", 1.0), True),
+    "accept_T0.7": (draft_step("accept", 0.7), True),
 }
+DRAFT_VARIANTS = ("accept", "accept_T0.7")
 
 
 def floor_bytes(name: str, vocab: int, tokens: int, hidden: int, chunk: int) -> int:
     """Outputs + one chunk's fp32 logits + per-token statistics (see the module docstring)."""
     outputs = tokens * hidden * 4 + vocab * hidden * 4  # hidden gradient; placeholder (protocol) or weight gradient
-    return outputs + min(chunk, tokens) * vocab * 4 + 8 * tokens * 4
+    logits = (2 if name in DRAFT_VARIANTS else 1) * min(chunk, tokens) * vocab * 4  # the draft's and the teacher's
+    return outputs + logits + 8 * tokens * 4
 
 
 def _fresh(vocab: int, tokens: int, hidden: int, protocol: bool) -> dict[str, Any]:
@@ -158,8 +179,10 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
             "counts_ok": v["syncs"] == 0 and v["h2d"] == 0 if name != "stock" else None,
         }
     fused = rows[TIMED_GOAL]
+    teacher_matmul = 2 * measured["tokens"] * measured["vocab"] * measured["hidden"]
+    drafts_ok = all(rows[name]["flops"] == stock["flops"] + teacher_matmul for name in DRAFT_VARIANTS if name in rows)
     return {**{k: measured[k] for k in ("vocab", "tokens", "hidden", "chunk", "rounds", "threads")},
-            "variants": rows, "flops_ok": fused["flops"] <= stock["flops"]}
+            "variants": rows, "flops_ok": fused["flops"] <= stock["flops"] and drafts_ok}
 
 
 def markdown(summaries: list[dict[str, Any]]) -> str:
@@ -169,7 +192,8 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         "backward, fp32, mcore's gradient-accumulation protocol on for `fused` and `recompute` (the weight carries "
         "`main_grad`, as under mcore DDP with `gradient_accumulation_fusion=True`). Floor: the outputs (hidden "
         "gradient, mcore's `[V, h]` placeholder or the weight gradient) + one chunk's fp32 logits + per-token "
-        f"statistics. Goals: FLOPs = stock; peak ≤ {PEAK_GOALS['fused']:.2f} × floor (`fused`), ≤ "
+        f"statistics (`accept`, `accept_T0.7`: `objective=\"accept\"` at T = 1 and 0.7, fused, one more chunk of "
+        f"logits for the teacher's softmax). Goals: FLOPs = stock (`accept*`: stock + the teacher's head matmul); peak ≤ {PEAK_GOALS['fused']:.2f} × floor (`fused`), ≤ "
         f"{PEAK_GOALS['logprobs']:.2f} × floor (`logprobs`); time ≤ 1.00 × stock (`fused`, per-round ratios of "
         "process CPU time); 0 host syncs, 0 host-to-device tensors.",
     ]
@@ -178,7 +202,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             "",
             f"V = {summary['vocab']:,}, tokens = {summary['tokens']:,}, h = {summary['hidden']}, chunk = "
             f"{summary['chunk']:,} tokens, {summary['rounds']} interleaved rounds, {summary['threads']} threads; "
-            f"FLOPs = stock: {verdict(summary['flops_ok'])}",
+            f"FLOPs = stock (`accept*`: + the teacher's matmul): {verdict(summary['flops_ok'])}",
             "",
             "| variant | FLOPs × stock | peak MiB | peak × floor | CPU s median (min–max) | time × stock, per round | "
             "host syncs, H2D |",

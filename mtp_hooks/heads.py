@@ -31,7 +31,8 @@ from mtp_hooks.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
 from mtp_hooks.targets import align_with_depths, mtp_targets
 
-# (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance])
+# (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance,
+#  chained acceptance of depths 1..k and its positions (``chain_sums``)])
 DepthSums = tuple[Any, ...]
 # Calls the output layer on (hidden, weight) without the hooks' own pre-hook acting on the call.
 HeadCall = Callable[[Tensor, Tensor], Tensor]
@@ -206,6 +207,7 @@ def _lean_loss(
         None if teachers is None else torch.cat([t.reshape(-1, t.shape[-1]) for t in teachers]),
         weight_grad=path,
         main_grad_protocol=follows_main_grad_protocol(layer, weight),
+        temperature=options.draft_temperature,
     )
 
     def masked_sums(per_token: Tensor) -> Tensor:
@@ -213,9 +215,20 @@ def _lean_loss(
 
     columns = [masked_sums(out.ce), masked_sums(out.correct)]
     if out.agree is not None and out.accept is not None:
-        columns += [masked_sums(out.agree), masked_sums(out.accept)]
+        columns += [masked_sums(out.agree), masked_sums(out.accept), *chain_sums(out.accept.view(depth, per_depth), masks)]
     sums: list[DepthSums] = [(k, columns[0][k], tokens[k], *(c[k] for c in columns[1:])) for k in range(depth)]
     return out.objective, sums, path if weight.requires_grad else "detached"
+
+
+def chain_sums(accept: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
+    """Per depth k, ``sum_t c_k(t) prod_{j<=k} alpha_j(t)`` and ``sum_t c_k(t)``, ``c_k(t) = prod_{j<=k} mask_j(t)``.
+
+    ``accept``, ``masks``: ``[N, T]``, every depth's tokens at the same positions (the lean call's
+    order), so the product is the chance that a draft started at ``t`` has its first k tokens
+    accepted, over the positions where depths 1..k all have a target.
+    """
+    chain = masks.cumprod(dim=0)
+    return (accept.cumprod(dim=0) * chain).sum(dim=1), chain.sum(dim=1)
 
 
 def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_params: Any, cp_group: Any) -> list[Tensor]:

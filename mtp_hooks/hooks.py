@@ -137,7 +137,14 @@ class MTPHooks:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
         argmax is the label) and ``mtp_k/tokens``, over the training forwards completed since the
         last reset (a forward that raised counts for nothing). A depth that counted no token has
-        ``mtp_k/tokens == 0`` and no ratios. Local to this rank (identical across TP ranks). Empty
+        ``mtp_k/tokens == 0`` and no ratios. Where acceptance is measured (``agreement_metrics``
+        or a draft objective) also ``mtp_k/agree``, ``mtp_k/accept`` (expected acceptance
+        ``sum_v min(p_T, q_T)``) and ``mtp/accept_len``: the expected number of accepted draft
+        tokens of the chained depths, ``sum_k mean_t prod_{j<=k} alpha_j(t)`` with the product
+        taken per position (``metrics.MTPMetrics`` says why), each mean over the positions where
+        depths 1..k all have a target; absent while there is no position with every depth's
+        target. mcore's tracker gets no ``accept_len``: it holds per-depth loss and label counts
+        only, and stays as stock fills it. Local to this rank (identical across TP ranks). Empty
         if nothing was trained. Reading syncs with the device once."""
         hooks = self._live("metrics")
         hooks.recover_abandoned()
@@ -182,6 +189,7 @@ def attach(
     chunk_size: Optional[int] = None,
     objective: Objective = "ce",
     agreement_metrics: bool = False,
+    draft_temperature: float = 1.0,
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -219,11 +227,20 @@ def attach(
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
             labels. ``"distill"``: cross-entropy against the main head's detached distribution at
             the position predicting the same token. ``"tv"``: total variation to that
-            distribution, i.e. 1 - expected speculative-sampling acceptance.
+            distribution, i.e. 1 - expected speculative-sampling acceptance ``alpha``.
+            ``"accept"``: ``-log alpha`` per token (tv's gradient divided by ``alpha``: it does not
+            fade where the draft is rarely accepted; see ``mtp_hooks.objectives``).
         agreement_metrics: also report per depth ``mtp_k/agree`` (MTP argmax equals the main
-            head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``);
-            costs one more head matmul per depth in forward (lean only; implied by
-            ``"distill"`` / ``"tv"``).
+            head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``),
+            and ``mtp/accept_len`` (expected accepted draft tokens, ``MTPHooks.metrics``); costs
+            one more head matmul per depth in forward (lean only; implied by ``"distill"`` /
+            ``"tv"`` / ``"accept"``).
+        draft_temperature: the rollout's sampling temperature T: ``"distill"``, ``"tv"``,
+            ``"accept"`` and the acceptance metrics use ``p_main`` and ``q_mtp`` at
+            ``softmax(logits / T)``, both tempered as a speculative sampler at T draws the draft
+            token from the tempered draft and verifies it against the tempered target. The CE on
+            the labels (``"ce"``, ``mtp_k/loss``) stays untempered. A float > 0; other than 1.0
+            only with a draft objective or ``agreement_metrics``.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;
@@ -277,6 +294,7 @@ def attach(
         chunk_size=chunk_size,
         objective=objective,
         agreement_metrics=agreement_metrics,
+        draft_temperature=draft_temperature,
         output=output,
         entropy=entropy,
         temperature=temperature,

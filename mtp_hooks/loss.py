@@ -10,7 +10,8 @@ vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group
 * ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks and computes the
   hidden-state gradient during forward (the objective's upstream gradient is a scalar, so it is
   known up to that factor). Objectives: ``"ce"`` on the labels, and, against the main head's
-  distribution at the matching position (the teacher), ``"distill"`` and ``"tv"``; with a
+  distribution at the matching position (the teacher), ``"distill"``, ``"tv"`` and
+  ``"accept"``, optionally at a sampling temperature (their per-chunk math is ``objectives``'); with a
   teacher it also reports argmax agreement and expected speculative acceptance. The head
   weight's gradient, when the weight needs one, takes one of two paths (``weight_grad``):
 
@@ -41,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
 from mtp_hooks.main_grad import add_product_, placeholder_grad
+from mtp_hooks.objectives import OBJECTIVES, check_temperature, draft_statistics, logit_grad, tempered_exp_
 from mtp_hooks.vocab_parallel import (
     ProcessGroup,
     accumulation_dtype,
@@ -54,8 +56,6 @@ from mtp_hooks.workspace import Workspace
 _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
 
 
-Objective = Literal["ce", "distill", "tv"]
-OBJECTIVES: tuple[str, ...] = get_args(Objective)
 WeightGrad = Literal["fused", "recompute"]
 WEIGHT_GRAD_MODES: tuple[str, ...] = get_args(WeightGrad)
 _NO_INDEX = torch.iinfo(torch.long).max
@@ -110,57 +110,28 @@ def _global_argmax(values: Tensor, index: Tensor, row_max: Tensor, shard: int, g
     return torch.where(values == row_max, index + group_rank(group) * shard, _NO_INDEX)
 
 
-def _logit_grad(
-    objective: str,
-    q: Tensor,
-    p: Optional[Tensor],
-    sign_q: Optional[Tensor],
-    local: Tensor,
-    in_shard: Tensor,
-    token_weight: Optional[Tensor],
-    first: int = 0,
-    q_scale: Optional[Tensor] = None,
-) -> Tensor:
-    """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``q``.
-
-    ``q``: the MTP head's softmax on those columns, or for ``"ce"`` its exponentials with
-    ``q_scale`` (per token, ``1 / sum exp``) the factor that normalises them, folded into the one
-    multiply by the token weights; ``p``: the main head's (teacher) softmax; ``sign_q``: per token
-    ``sum_v sign(q - p) q`` over the full vocabulary (``"tv"`` only); ``token_weight`` ``None``:
-    every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``).
-    """
-    if objective == "ce":  # softmax - onehot
-        factor = token_weight if q_scale is None else q_scale if token_weight is None else q_scale * token_weight
-        grad = q if factor is None else q.mul_(factor.unsqueeze(-1))
-        columns = grad.shape[-1]
-        index = local - first
-        inside = in_shard & (index >= 0) & (index < columns)
-        step = inside.to(grad.dtype) if token_weight is None else token_weight * inside
-        return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), step.neg_().unsqueeze(-1))
-    if p is None or q_scale is not None:
-        raise AssertionError(f"objective {objective!r} takes the normalised softmax and the teacher's")
-    if objective == "distill":  # q - p
-        grad = q.sub_(p)
-        return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
-    if sign_q is None:
-        raise AssertionError("objective 'tv' needs sum_v sign(q - p) q")
-    # tv: 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
-    grad = torch.sign(q - p).sub_(sign_q.unsqueeze(-1)).mul_(q).mul_(0.5)
-    return grad if token_weight is None else grad.mul_(token_weight.unsqueeze(-1))
-
-
 class _Chunk:
     """Per-token statistics of one chunk of tokens over the full (vocab-parallel) vocabulary.
 
     Fills ``lse``, ``ce``, ``correct``, ``loss`` and, with a teacher, ``lse_teacher``,
-    ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``sign_q``; ``q`` and ``p``
-    are the chunk's local softmax columns, written over ``logits`` and ``teacher_logits``.
-    Without a teacher ``q`` holds the exponentials and ``q_scale`` the factor that normalises
-    them (``_logit_grad`` applies it with the token weights: one pass over the chunk, not two).
+    ``draft_lse`` (the log-normalisers of ``p`` and of the draft's ``q`` in tempered logits),
+    ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``aux``
+    (``objectives.DraftStats``); ``q`` and ``p`` are the chunk's local softmax columns, written
+    over ``logits`` and ``teacher_logits``, at ``temperature`` but for ``"ce"``'s ``q``
+    (``objectives``). ``lse``, ``ce`` and ``correct`` are untempered. Without a teacher ``q``
+    holds the exponentials and ``q_scale`` the factor that normalises them (``logit_grad``
+    applies it with the token weights: one pass over the chunk, not two).
     """
 
     def __init__(
-        self, logits: Tensor, teacher_logits: Optional[Tensor], local: Tensor, in_shard: Tensor, objective: str, group: ProcessGroup
+        self,
+        logits: Tensor,
+        teacher_logits: Optional[Tensor],
+        local: Tensor,
+        in_shard: Tensor,
+        objective: str,
+        group: ProcessGroup,
+        temperature: float = 1.0,
     ) -> None:
         if teacher_logits is None:
             maxima = [logits.amax(dim=-1)]  # values only: several times faster than max's (values, indices)
@@ -177,38 +148,46 @@ class _Chunk:
                  _global_argmax(teacher_values, teacher_index, maxima[1], logits.shape[-1], group)]
             )
         shifted = logits.sub_(row_max.unsqueeze(-1))
-        exp = shifted.exp() if objective == "distill" else shifted.exp_()
+        # At T != 1 the CE on the labels still needs the untempered sum of exponentials (a temporary
+        # for the draft objectives; "ce" keeps them: its gradient is the untempered softmax).
+        tempered = teacher_logits is not None and temperature != 1.0
+        exp = shifted.exp() if objective == "distill" or tempered else shifted.exp_()
         sums = [picked, exp.sum(dim=-1)]
         if teacher_logits is not None:
-            teacher_exp = teacher_logits.sub_(maxima[1].unsqueeze(-1)).exp_()
+            teacher_exp = tempered_exp_(teacher_logits.sub_(maxima[1].unsqueeze(-1)), temperature)
             sums.append(teacher_exp.sum(dim=-1))
+        if tempered:  # the draft's exponentials at T, over ``shifted`` (kept, tempered, for "distill")
+            exp = exp if objective == "ce" else None
+            draft_exp = tempered_exp_(shifted, temperature, keep=objective == "distill")
+            sums.append(draft_exp.sum(dim=-1))
         sums = all_reduce(torch.stack(sums), group)
         self.lse = row_max + sums[1].log()
         self.ce = self.lse - sums[0]
         self.correct = sums[0] >= row_max
         self.loss = self.ce
         self.p: Optional[Tensor] = None
-        self.sign_q: Optional[Tensor] = None
+        self.aux: Optional[Tensor] = None
         if teacher_logits is None:
             self.q, self.q_scale = exp, sums[1].reciprocal()
             return
-        self.q, self.q_scale = exp.div_(sums[1].unsqueeze(-1)), None
-        self.lse_teacher = maxima[1] + sums[2].log()
+        self.lse_teacher = maxima[1] / temperature + sums[2].log()
         self.p = p = teacher_exp.div_(sums[2].unsqueeze(-1))
-        q = self.q
-        extra = [torch.minimum(p, q).sum(dim=-1)]
-        if objective == "distill":
-            extra.append((p * shifted).sum(dim=-1))
-        elif objective == "tv":
-            sign = torch.sign(q - p)
-            extra += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
-        extra = all_reduce(torch.stack(extra), group)
-        self.accept = extra[0]
+        if tempered:
+            log_sum = sums[3].log()
+            q = draft_exp.div_(sums[3].unsqueeze(-1))
+            self.draft_lse = row_max / temperature + log_sum
+        else:
+            log_sum = sums[1].log()
+            q = exp.div_(sums[1].unsqueeze(-1))
+            self.draft_lse = self.lse
+        # The gradient's softmax: the draft's at T, or for "ce" the untempered one.
+        self.q = exp.div_(sums[1].unsqueeze(-1)) if objective == "ce" and tempered else q
+        self.q_scale = None
+        stats = draft_statistics(objective, q, p, shifted, log_sum, group)
+        self.accept, self.aux = stats.accept, stats.aux
         self.agree = torch.eq(*all_reduce(agree_index, group, dist.ReduceOp.MIN))
-        if objective == "distill":  # cross-entropy against p: lse - sum p z
-            self.loss = sums[1].log() - extra[1]
-        elif objective == "tv":  # 0.5 * sum |q - p|
-            self.sign_q, self.loss = extra[1], 0.5 * extra[2]
+        if stats.loss is not None:
+            self.loss = stats.loss
 
 
 class HeadLoss(NamedTuple):
@@ -228,9 +207,12 @@ class LeanMTPLoss(torch.autograd.Function):
     ``weight`` ``[V/tp, H]``, ``labels`` ``[T]``, ``token_weight`` ``[T]`` (0 where masked) and,
     optionally, ``teacher`` ``[T, H]``: the main head's input at the position whose next token
     the MTP head predicts too (its logits use ``weight`` detached). ``objective``: ``"ce"`` (CE
-    on the labels), ``"distill"`` (CE against the teacher's softmax p) or ``"tv"`` (total
-    variation ``0.5 sum |q - p|`` = 1 - expected speculative acceptance); the last two need a
-    teacher. Outputs: the scalar objective, per-token CE on the labels and correct flags and,
+    on the labels), ``"distill"`` (CE against the teacher's softmax p), ``"tv"`` (total
+    variation ``0.5 sum |q - p|`` = 1 - expected speculative acceptance) or ``"accept"``
+    (``-log sum min(p, q)``); all but ``"ce"`` need a teacher (``objectives``). ``temperature``:
+    p and q are ``softmax(logits / temperature)`` for the teacher objectives and the acceptance,
+    as a speculative sampler at that temperature draws and verifies; the CE on the labels stays
+    untempered. Outputs: the scalar objective, per-token CE on the labels and correct flags and,
     with a teacher, per-token argmax agreement and expected acceptance ``sum min(p, q)``.
 
     The hidden-state gradient is computed during forward (the objective's upstream gradient is
@@ -266,6 +248,7 @@ class LeanMTPLoss(torch.autograd.Function):
         objective: str,
         weight_grad: str = "recompute",
         main_grad_protocol: bool = False,
+        temperature: float = 1.0,
     ) -> tuple[Tensor, ...]:
         tokens = hidden.shape[0]
         acc_dtype = accumulation_dtype(hidden.dtype)
@@ -277,7 +260,7 @@ class LeanMTPLoss(torch.autograd.Function):
         teacher_weight = weight.detach()
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
-        lse_teacher, sign_q, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype)
+        lse_teacher, draft_lse, aux, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype)
         correct, agree = new(torch.bool), new(torch.bool)
         # The hidden-state gradient made in forward carries the token weights where the head's dtype
         # can hold them (rounded where stock rounds its logit gradient); fp16 cannot hold
@@ -295,17 +278,19 @@ class LeanMTPLoss(torch.autograd.Function):
             rows = slice(start, min(start + chunk_size, tokens))
             logits = logits_space.product(hidden[rows], weight)
             teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
-            chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group)
+            chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group, temperature)
             del logits, teacher_logits
             lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
             if teacher is not None:
                 lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
-                if chunk.sign_q is not None:
-                    sign_q[rows] = chunk.sign_q
+                draft_lse[rows] = chunk.draft_lse
+                if chunk.aux is not None:
+                    aux[rows] = chunk.aux
             if hidden_grad is not None or acc is not None:
                 weights = token_weight[rows] if fold else None
-                grad = _logit_grad(
-                    objective, chunk.q, chunk.p, chunk.sign_q, local[rows], in_shard[rows], weights, q_scale=chunk.q_scale
+                grad = logit_grad(
+                    objective, chunk.q, chunk.p, chunk.aux, local[rows], in_shard[rows], weights,
+                    q_scale=chunk.q_scale, alpha=chunk.accept if teacher is not None else None, temperature=temperature,
                 )
                 rounded = logits_space.rounded(grad, weight.dtype)
                 if hidden_grad is not None:
@@ -318,7 +303,7 @@ class LeanMTPLoss(torch.autograd.Function):
                 del grad, rounded
             del chunk  # one chunk's temporaries alive at a time
         result = (loss * token_weight).sum()
-        ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
+        ctx.chunk_size, ctx.tp_group, ctx.objective, ctx.temperature = chunk_size, tp_group, objective, temperature
         ctx.recompute = need_weight_grad and not fused
         ctx.weight_dtype, ctx.hidden_dtype, ctx.fold = weight.dtype, hidden.dtype, fold
         ctx.main_grad = weight.main_grad if need_weight_grad and main_grad_protocol else None
@@ -332,9 +317,10 @@ class LeanMTPLoss(torch.autograd.Function):
                 local,
                 in_shard,
                 token_weight,
-                lse,
+                lse if objective == "ce" else draft_lse,  # the normaliser of the gradient's softmax
                 lse_teacher,
-                sign_q,
+                aux,
+                accept,
             )
         else:
             ctx.save_for_backward(hidden_grad, None if fold else token_weight, acc, norm)
@@ -344,7 +330,7 @@ class LeanMTPLoss(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_objective: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
-        nones = (None,) * 8
+        nones = (None,) * 9
         if not ctx.recompute:
             hidden_grad, token_weight, acc, norm = ctx.saved_tensors
             upstream = grad_objective.to(accumulation_dtype(ctx.hidden_dtype))  # never rounded to the head's dtype
@@ -359,7 +345,8 @@ class LeanMTPLoss(torch.autograd.Function):
                     d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
                     torch.mul(acc, factor, out=d_weight)
             return d_hidden, d_weight, *nones
-        hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, sign_q = ctx.saved_tensors
+        hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, aux, accept = ctx.saved_tensors
+        temperature = 1.0 if ctx.objective == "ce" else ctx.temperature
         upstream = grad_objective.to(lse.dtype)
         scaled = token_weight * upstream
         d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
@@ -373,11 +360,11 @@ class LeanMTPLoss(torch.autograd.Function):
         q_space, p_space = Workspace(lse.dtype, hidden.device), Workspace(lse.dtype, hidden.device)
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
-            q = q_space.product(hidden, weight[cols]).sub_(lse.unsqueeze(-1)).exp_()
+            q = _tempered(q_space.product(hidden, weight[cols]), temperature).sub_(lse.unsqueeze(-1)).exp_()
             p = None
             if teacher is not None:
-                p = p_space.product(teacher, weight[cols]).sub_(lse_teacher.unsqueeze(-1)).exp_()
-            grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
+                p = _tempered(p_space.product(teacher, weight[cols]), temperature).sub_(lse_teacher.unsqueeze(-1)).exp_()
+            grad = logit_grad(ctx.objective, q, p, aux, local, in_shard, scaled, first, alpha=accept, temperature=temperature)
             del q, p
             if main_grad is not None:
                 add_product_(main_grad[cols], grad, hidden)
@@ -387,6 +374,10 @@ class LeanMTPLoss(torch.autograd.Function):
         if main_grad is not None:
             d_weight = placeholder_grad(ctx.weight, main_grad, ctx.hidden_dtype)
         return d_hidden, d_weight, *nones
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def _scale_rows(hidden_grad: Tensor, token_weight: Optional[Tensor], upstream: Tensor, folded: bool) -> Tensor:
@@ -410,6 +401,7 @@ def lean_mtp_loss(
     teacher: Optional[Tensor] = None,
     weight_grad: str = "recompute",
     main_grad_protocol: bool = False,
+    temperature: float = 1.0,
 ) -> HeadLoss:
     """Functional form of ``LeanMTPLoss`` (see there); ``agree`` / ``accept`` are ``None`` without a teacher.
 
@@ -425,8 +417,10 @@ def lean_mtp_loss(
         raise ValueError(f"objective {objective!r} needs a teacher")
     if weight_grad not in WEIGHT_GRAD_MODES:
         raise bad_argument("weight_grad", f"one of {WEIGHT_GRAD_MODES}", repr(weight_grad))
+    temperature = check_temperature("temperature", temperature)
     result, ce, correct, agree, accept = LeanMTPLoss.apply(
-        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective, weight_grad, main_grad_protocol
+        hidden, weight, labels, token_weight, teacher, tp_group, chunk_size, objective, weight_grad, main_grad_protocol,
+        temperature,
     )
     if teacher is None:
         return HeadLoss(result, ce, correct, None, None)

@@ -7,19 +7,33 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+_COLUMNS = 7  # ce, tokens, correct, agree, accept, chain, chain_tokens
+
 
 class MTPMetrics:
     """Token-weighted sums per depth: masked CE, masked tokens, masked positions predicted right
-    and, when the main head is compared, masked argmax agreements and expected acceptances.
+    and, when the main head is compared, masked argmax agreements, expected acceptances and the
+    chained acceptances (``heads.chain_sums``).
 
     ``read`` turns them into ``{"mtp_k/loss": ..., "mtp_k/acc": ..., "mtp_k/tokens": ...}`` plus
-    ``"mtp_k/agree"`` and ``"mtp_k/accept"`` when compared. A depth that saw no masked token
-    reports ``mtp_k/tokens == 0`` and no ratios (never NaN, which a dashboard reads as divergence).
+    ``"mtp_k/agree"``, ``"mtp_k/accept"`` and ``"mtp/accept_len"`` when compared. A depth that saw
+    no masked token reports ``mtp_k/tokens == 0`` and no ratios (never NaN, which a dashboard reads
+    as divergence); ``mtp/accept_len`` needs a position where every depth has a target.
+
+    ``mtp/accept_len`` is the expected number of draft tokens a verifier accepts from a chain of
+    the N depths, ``sum_k E_t[prod_{j<=k} alpha_j(t)]``: per position, not the product of the
+    per-depth means. A position that is hard for depth 1 tends to be hard for depth 2, and the
+    chain's k-th token counts only if all before it were accepted at that same position, so
+    ``E[prod] != prod E`` and the product of the means would misstate the length (by how much
+    depends on the correlation). The depths' tokens sit at the same positions in one loss call,
+    so each term averages over the positions where depths 1..k all have a target, over the
+    micro-batches since the last reset. The acceptances are teacher-forced (each depth reads the
+    data's tokens, not its own drafts), as are ``mtp_k/accept``.
     """
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._sums: Tensor | None = None  # [depth, 5]: ce, tokens, correct, agree, accept
+        self._sums: Tensor | None = None  # [depth, _COLUMNS]
         self._compared = False
 
     def add(
@@ -30,13 +44,15 @@ class MTPMetrics:
         correct: Tensor,
         agree: Optional[Tensor] = None,
         accept: Optional[Tensor] = None,
+        chain: Optional[Tensor] = None,
+        chain_tokens: Optional[Tensor] = None,
     ) -> None:
         """Add one micro-batch's sums for depth ``k`` (0-based)."""
-        compared = agree is not None and accept is not None
-        parts = [ce_sum, tokens, correct] + ([agree, accept] if compared else [torch.zeros_like(ce_sum)] * 2)
+        compared = agree is not None and accept is not None and chain is not None and chain_tokens is not None
+        parts = [ce_sum, tokens, correct] + ([agree, accept, chain, chain_tokens] if compared else [torch.zeros_like(ce_sum)] * 4)
         row = torch.stack([part.detach().double() for part in parts])
         if self._sums is None:
-            self._sums = torch.zeros(self.depth, 5, dtype=torch.float64, device=row.device)
+            self._sums = torch.zeros(self.depth, _COLUMNS, dtype=torch.float64, device=row.device)
         self._sums[k] += row
         self._compared = self._compared or compared
 
@@ -47,7 +63,7 @@ class MTPMetrics:
         if reset:
             self._sums, self._compared = None, False
         out: dict[str, float] = {}
-        for k, (ce, tokens, correct, agree, accept) in enumerate(sums, start=1):
+        for k, (ce, tokens, correct, agree, accept, _chain, _chain_tokens) in enumerate(sums, start=1):
             if tokens:
                 out[f"mtp_{k}/loss"] = ce / tokens
                 out[f"mtp_{k}/acc"] = correct / tokens
@@ -55,4 +71,6 @@ class MTPMetrics:
             if compared and tokens:
                 out[f"mtp_{k}/agree"] = agree / tokens
                 out[f"mtp_{k}/accept"] = accept / tokens
+        if compared and sums[-1][6]:  # depth N's chain positions have every depth's target: no prefix is empty
+            out["mtp/accept_len"] = sum(row[5] / row[6] for row in sums)
         return out

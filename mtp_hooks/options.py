@@ -1,4 +1,4 @@
-"""The options of ``attach``: one frozen, validated object instead of fourteen loose keywords."""
+"""The options of ``attach``: one frozen, validated object instead of fifteen loose keywords."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.loss import OBJECTIVES, Objective
+from mtp_hooks.loss import OBJECTIVES
+from mtp_hooks.objectives import Objective, check_temperature
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
@@ -35,6 +36,8 @@ class Options:
     chunk_size: Optional[int] = None
     objective: Objective = "ce"
     agreement_metrics: bool = False
+    # The speculative sampler's temperature: the draft objectives and the acceptance at softmax(logits / T).
+    draft_temperature: float = 1.0
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -67,7 +70,16 @@ class Options:
             _require_bool(name, getattr(self, name))
         if self.loss_impl == "dense" and (self.objective != "ce" or self.agreement_metrics):
             raise bad_argument(
-                "loss_impl", "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' and for agreement_metrics (dense keeps stock's CE)", "'dense'"
+                "loss_impl",
+                "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' / 'accept' and for agreement_metrics (dense keeps stock's CE)",
+                "'dense'",
+            )
+        object.__setattr__(self, "draft_temperature", check_temperature("draft_temperature", self.draft_temperature))
+        if self.draft_temperature != 1.0 and not self.compares_with_main_head:
+            raise bad_argument(
+                "draft_temperature",
+                "1.0 unless objective is 'distill', 'tv' or 'accept' or agreement_metrics=True ('ce' trains on the labels, untempered)",
+                describe(self.draft_temperature),
             )
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))

@@ -1,4 +1,5 @@
-"""Draft objectives (``"ce"``, ``"distill"``, ``"tv"``) and agreement metrics against dense references.
+"""Draft objectives (``"ce"``, ``"distill"``, ``"tv"``, ``"accept"``), at draft temperatures, and agreement
+metrics (``mtp/accept_len`` included) against dense references.
 
 Function level: ``lean_mtp_loss`` for every objective against a float64 reference built from the
 full logits with plain torch ops (objective, per-token CE, correct flags, argmax agreement,
@@ -18,6 +19,7 @@ boundary would show. Refused options name their argument.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import pytest
@@ -96,18 +98,26 @@ def dense_reference(
     token_weight: Tensor,
     objective: str,
     detach_teacher_weight: bool = True,
+    temperature: float = 1.0,
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> Dense:
-    """Full float64 logits, plain torch ops: q = softmax(hidden W^T), p = softmax(teacher W^T)."""
+    """Full float64 logits, plain torch ops: q = softmax(hidden W^T / T), p = softmax(teacher W^T / T);
+    the CE on the labels and its correct flags untempered. ``logits_dtype``: the logits take the
+    values of a GEMM in that dtype (as the head computes them), their gradient stays float64's."""
     logits = hidden.double() @ weight.double().t()
     teacher_weight = weight.detach() if detach_teacher_weight else weight
     teacher_logits = teacher.double() @ teacher_weight.double().t()
-    log_q = logits.log_softmax(-1)
-    q, p = log_q.exp(), teacher_logits.softmax(-1)
-    ce = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if logits_dtype is not None:
+        logits = logits + ((hidden.to(logits_dtype) @ weight.to(logits_dtype).t()).double() - logits).detach()
+        teacher_logits = (teacher.to(logits_dtype) @ teacher_weight.to(logits_dtype).t()).double()
+    log_q = (logits / temperature).log_softmax(-1)
+    q, p = log_q.exp(), (teacher_logits / temperature).softmax(-1)
+    ce = -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     per_token = {
         "ce": ce,
         "distill": -(p * log_q).sum(-1),
         "tv": 0.5 * (q - p).abs().sum(-1),
+        "accept": -torch.minimum(p, q).sum(-1).log(),
     }[objective]
     return Dense(
         objective=(per_token * token_weight.double()).sum(),
@@ -292,6 +302,120 @@ def test_bf16_inputs_match_the_float64_reference_within_bf16_rounding(objective:
     assert_close(weight.grad, ref_weight.grad, "weight grad", atol=2e-3, rtol=2e-2)
 
 
+TEMPERATURES = [0.6, 1.0, 1.7]
+DRAFT_OBJECTIVES = [o for o in OBJECTIVES if o != "ce"]
+
+
+@pytest.mark.parametrize("weight_grad", ["recompute", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_objective_at_temperature_matches_dense_reference_with_both_distributions_tempered(
+    objective: str, temperature: float, dtype: torch.dtype, weight_grad: str
+) -> None:
+    """p = softmax(z_main / T) and q = softmax(z_mtp / T) (the CE on the labels untempered): objective,
+    acceptance and both gradients; with ``"ce"`` only the acceptance is tempered."""
+    case = make_case(seed=300 + OBJECTIVES.index(objective))
+    tol = TOLERANCES[dtype]
+    hidden, weight = case.leaves(dtype)
+    out = lean_mtp_loss(
+        hidden, weight, case.labels, case.token_weight.to(dtype), None, 4, objective, case.teacher.to(dtype),
+        weight_grad=weight_grad, temperature=temperature,
+    )
+    (out.objective * 0.37).backward()
+    ref_hidden, ref_weight = case.leaves(torch.float64)
+    ref = dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective, temperature=temperature)
+    (ref.objective * 0.37).backward()
+    assert_close(out.objective.detach(), ref.objective.detach(), "objective", **tol)
+    assert_close(out.accept, ref.accept, "expected acceptance", **tol)
+    assert_close(out.ce, ref.ce, "per-token CE (untempered)", **tol)
+    assert torch.equal(out.agree, ref.agree), "argmax agreement"
+    assert_close(hidden.grad, ref_hidden.grad, "hidden grad", **tol)
+    assert_close(weight.grad, ref_weight.grad, "weight grad", **tol)
+    if temperature != 1.0:  # guard: the untempered reference is another one
+        untempered = dense_reference(case.hidden, case.weight, case.teacher, case.labels, case.token_weight, objective)
+        assert not torch.allclose(out.accept.double(), untempered.accept, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_bf16_at_temperature_matches_the_float64_reference_within_bf16_rounding(objective: str, temperature: float) -> None:
+    case = make_case(seed=400 + OBJECTIVES.index(objective), tokens=16, hidden=8, vocab=24)
+    hidden, weight = case.leaves(torch.bfloat16)
+    teacher = case.teacher.to(torch.bfloat16)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 5, objective, teacher, temperature=temperature)
+    out.objective.backward()
+    ref_hidden, ref_weight = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
+    # The reference's logits are the bf16 GEMM's: tv's sign(q - p) would flip where a logit's bf16 rounding crosses p = q.
+    ref = dense_reference(
+        ref_hidden, ref_weight, teacher.double(), case.labels, case.token_weight, objective, temperature=temperature,
+        logits_dtype=torch.bfloat16,
+    )
+    ref.objective.backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert_close(out.objective.detach(), ref.objective.detach(), "objective", atol=1e-3, rtol=1e-2)
+    assert_close(out.accept, ref.accept, "expected acceptance", atol=1e-2, rtol=1e-2)
+    assert_close(hidden.grad, ref_hidden.grad, "hidden grad", atol=2e-3, rtol=2e-2)
+    assert_close(weight.grad, ref_weight.grad, "weight grad", atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+@pytest.mark.parametrize("objective", DRAFT_OBJECTIVES)
+def test_gradcheck_at_temperature_in_float64(objective: str, temperature: float) -> None:
+    """Finite differences in the hidden states and (teacher logits held fixed, as above) in the weight."""
+    case = make_case(seed=15, tokens=6, hidden=5, vocab=5)
+    hidden, weight = case.leaves(torch.float64)
+    teacher_logits = case.teacher @ case.weight.t()
+
+    def loss(h: Tensor, w: Tensor) -> Tensor:
+        teacher = torch.linalg.solve(w.detach(), teacher_logits.t()).t()
+        return lean_mtp_loss(h, w, case.labels, case.token_weight, None, 4, objective, teacher, temperature=temperature).objective
+
+    assert torch.autograd.gradcheck(loss, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_accept_is_minus_log_acceptance_with_tvs_gradient_divided_by_acceptance() -> None:
+    """``"accept"`` and ``"tv"`` share the optimum but not the weighting: per token, accept's hidden
+    gradient is tv's divided by alpha, so the two objectives train differently wherever alpha < 1."""
+    case = make_case(seed=16)
+    grads, outs = {}, {}
+    for objective in ("tv", "accept"):
+        hidden, weight = case.leaves(torch.float64)
+        outs[objective] = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, objective, case.teacher, temperature=1.3)
+        outs[objective].objective.backward()
+        grads[objective] = hidden.grad
+    alpha = outs["accept"].accept
+    assert (alpha < 0.9).any()
+    torch.testing.assert_close(outs["accept"].objective, -(case.token_weight * alpha.log()).sum(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(grads["accept"], grads["tv"] / alpha.unsqueeze(-1), atol=1e-12, rtol=1e-10)
+    assert not torch.allclose(grads["accept"], grads["tv"], atol=1e-3)
+
+
+def test_accept_gradient_stays_accurate_in_fp32_when_acceptance_is_tiny() -> None:
+    """Draft and target all but disjoint (alpha ~ 1e-6): the fp32 gradient of -log alpha matches fp64
+    (no ``1 - 2 * sum`` cancellation divided by a tiny alpha), while tv's gradient has faded with alpha."""
+    vocab, hidden_size = 8, 8
+    weight = torch.eye(vocab, hidden_size, dtype=torch.float64) * 14.0
+    hidden = torch.zeros(3, hidden_size, dtype=torch.float64)
+    hidden[:, 1] = 1.0  # the draft bets on token 1 ...
+    hidden[1, 2] = 0.3
+    teacher = torch.zeros(3, hidden_size, dtype=torch.float64)
+    teacher[:, 0] = 1.0  # ... the target on token 0
+    labels, token_weight = torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.float64)
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        for objective in ("accept", "tv"):
+            h, w = hidden.to(dtype).clone().requires_grad_(True), weight.to(dtype)
+            out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), None, 2, objective, teacher.to(dtype))
+            out.objective.backward()
+            results[objective, dtype] = (h.grad.double(), out.accept.double())
+    grad64, alpha = results["accept", torch.float64]
+    assert (alpha < 1e-5).all() and (alpha > 0).all()
+    torch.testing.assert_close(results["accept", torch.float32][0], grad64, atol=1e-5, rtol=1e-4)
+    assert grad64.abs().sum() > 1.0  # O(1): tv's gradient divided by alpha
+    assert results["tv", torch.float64][0].abs().sum() < 1e-3
+
+
 @pytest.mark.parametrize(
     ("objective", "teacher", "match"),
     [("kl", True, "objective must be one of"), ("distill", False, "needs a teacher"), ("tv", False, "needs a teacher")],
@@ -375,24 +499,31 @@ def matching_positions(micro: Micro, k: int) -> list[tuple[int, int, int, float]
     return out
 
 
-def per_token_objective(objective: str, logits: Tensor, teacher_logits: Tensor, labels: Tensor) -> Tensor:
-    log_q = logits.log_softmax(-1)
-    p = teacher_logits.softmax(-1)
+def per_token_objective(objective: str, logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
     if objective == "ce":
-        return -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    log_q = (logits / temperature).log_softmax(-1)
+    p = (teacher_logits / temperature).softmax(-1)
     if objective == "distill":
         return -(p * log_q).sum(-1)
+    if objective == "accept":
+        return -torch.minimum(p, log_q.exp()).sum(-1).log()
     return 0.5 * (log_q.exp() - p).abs().sum(-1)
 
 
-def stock_reference_step(stock: nn.Module, micro: Micro, objective: str) -> dict[str, float]:
+def stock_reference_step(
+    stock: nn.Module, micro: Micro, objective: str, temperature: float = 1.0, chains: Optional[list[tuple[float, float]]] = None
+) -> dict[str, float]:
     """Stock mcore with its MTP loss weighted 0, plus the dense MTP ``objective`` built in the test.
 
     A forward hook captures the MTP block output ``[(1+N)s, b, h]`` (with its graph), the output
     layer's logits are recorded as stock computes them (depths 1..N, then the main head). Depth k's
     objective: ``(scale/N) * sum_t mask_k * loss(W h_k[t], teacher = W.detach() h_0[t+k].detach())
     / max(sum mask_k, 1)``; backward of stock's masked-mean main loss plus every depth's objective.
-    Returns brute-force metrics from stock's own logits, keyed as ``hooks.metrics()``.
+    Returns brute-force metrics from stock's own logits, keyed as ``hooks.metrics()``; ``p`` and
+    ``q`` at ``temperature`` for the objective and the acceptance. ``mtp/accept_len``: per position
+    ``t``, ``prod_{j<=k} alpha_j(t)`` over the positions where depths 1..k all count, averaged per
+    ``k`` and summed; ``chains`` gets each ``k``'s (sum, positions).
     """
     depth = stock.config.mtp_num_layers
     batch = micro.batch
@@ -411,6 +542,7 @@ def stock_reference_step(stock: nn.Module, micro: Micro, objective: str) -> dict
     weight = stock.output_layer.weight
     total = masked_mean(per_token, batch.loss_mask)
     metrics: dict[str, float] = {}
+    alphas: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (row, t) -> [(alpha_j, mask_j), j = 1 ..]
     for k in range(1, depth + 1):
         positions = matching_positions(micro, k)
         rows = torch.tensor([p[0] for p in positions])
@@ -421,12 +553,12 @@ def stock_reference_step(stock: nn.Module, micro: Micro, objective: str) -> dict
         # Gradient reference: autograd through the captured block output.
         logits = chunks[k][rows, t].double() @ weight.double().t()
         teacher_logits = chunks[0][rows, u].detach().double() @ weight.detach().double().t()
-        loss = (w * per_token_objective(objective, logits, teacher_logits, labels)).sum()
+        loss = (w * per_token_objective(objective, logits, teacher_logits, labels, temperature)).sum()
         total = total + (LOSS_SCALE / depth) * loss / w.sum().clamp(min=1)
         # Metrics: stock's own output-layer logits, position by position.
         mtp_logits = calls[k - 1].transpose(0, 1).double()[rows, t]
         main_at = main_logits[rows, u]
-        q, p = mtp_logits.softmax(-1), main_at.softmax(-1)
+        q, p = (mtp_logits / temperature).softmax(-1), (main_at / temperature).softmax(-1)
         tokens = w.sum()
         ce = F.cross_entropy(mtp_logits, labels, reduction="none")
         correct = mtp_logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= mtp_logits.max(-1).values
@@ -435,8 +567,24 @@ def stock_reference_step(stock: nn.Module, micro: Micro, objective: str) -> dict
         metrics[f"mtp_{k}/loss"] = float((w * ce).sum() / tokens)
         metrics[f"mtp_{k}/acc"] = float((w * correct).sum() / tokens)
         metrics[f"mtp_{k}/agree"] = float((w * agree).sum() / tokens)
-        metrics[f"mtp_{k}/accept"] = float((w * torch.minimum(p, q).sum(-1)).sum() / tokens)
+        alpha = torch.minimum(p, q).sum(-1)
+        metrics[f"mtp_{k}/accept"] = float((w * alpha).sum() / tokens)
+        for index, position in enumerate(positions):
+            alphas.setdefault(position[:2], []).append((float(alpha[index]), position[3]))
     total.backward()
+    length, complete = 0.0, True
+    for k in range(1, depth + 1):
+        chain_sum, chain_tokens = 0.0, 0.0
+        for per_depth in alphas.values():
+            if len(per_depth) >= k and all(mask == 1.0 for _alpha, mask in per_depth[:k]):
+                chain_sum += math.prod(a for a, _mask in per_depth[:k])
+                chain_tokens += 1
+        if chains is not None:
+            chains.append((chain_sum, chain_tokens))
+        complete = complete and chain_tokens > 0
+        length += chain_sum / max(chain_tokens, 1)
+    if complete:
+        metrics["mtp/accept_len"] = length
     return metrics
 
 
@@ -486,6 +634,33 @@ def test_hooked_objective_gradients_and_agreement_metrics_equal_dense_reference_
     assert_mtp_parameters_trained(hooked)
 
 
+@pytest.mark.parametrize("layout", ["bshd", pytest.param("thd_padded", marks=needs_packed_mtp)])
+@pytest.mark.parametrize("temperature", [0.6, 1.7])
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_hooked_objectives_and_metrics_at_draft_temperature_equal_dense_reference_from_stock(
+    objective: str, temperature: float, layout: str
+) -> None:
+    micro = MICROS[layout]()
+    stock, hooked = build(), build()
+    expected = stock_reference_step(stock, micro, objective, temperature)
+    metrics = hooked_step(hooked, micro, objective=objective, agreement_metrics=True, chunk_size=5, draft_temperature=temperature)
+    assert_metrics_equal(metrics, expected)
+    assert_same_grads(hooked, stock)
+    untempered = stock_reference_step(build(), micro, objective)
+    assert metrics["mtp_1/accept"] != pytest.approx(untempered["mtp_1/accept"], rel=1e-3), "guard: T should change acceptance"
+
+
+def test_accept_len_is_the_per_position_chain_not_the_product_of_the_means() -> None:
+    """Guard for the reference: on this micro-batch the product of the per-depth means is another number."""
+    micro = unpacked_micro(seed=3)
+    metrics = hooked_step(build(), micro, objective="accept")
+    expected = stock_reference_step(build(), micro, "accept")
+    assert metrics["mtp/accept_len"] == pytest.approx(expected["mtp/accept_len"], rel=1e-5, abs=1e-6)
+    of_means = metrics["mtp_1/accept"] + metrics["mtp_1/accept"] * metrics["mtp_2/accept"]
+    assert metrics["mtp/accept_len"] != pytest.approx(of_means, rel=1e-3)
+    assert 0 < metrics["mtp/accept_len"] < 2
+
+
 @needs_packed_mtp
 def test_packed_reference_differs_from_one_that_crosses_sequences() -> None:
     """Guard for the THD cases: the same row read as one unpacked sequence gives other metrics."""
@@ -508,7 +683,7 @@ def test_agreement_metrics_leave_the_ce_gradients_of_stock_unchanged() -> None:
     without = hooked_step(plain, micro)
     assert_same_grads(hooked, stock)
     assert_metrics_equal({k: v for k, v in with_metrics.items() if k in without}, without)
-    assert set(with_metrics) - set(without) == {f"mtp_{k}/{m}" for k in (1, 2) for m in ("agree", "accept")}
+    assert set(with_metrics) - set(without) == {f"mtp_{k}/{m}" for k in (1, 2) for m in ("agree", "accept")} | {"mtp/accept_len"}
 
 
 def test_each_objective_trains_the_mtp_layers_differently() -> None:
@@ -519,7 +694,7 @@ def test_each_objective_trains_the_mtp_layers_differently() -> None:
         model = build()
         hooked_step(model, micro, objective=objective)
         grads[objective] = {n: g for n, g in grads_of(model).items() if n.startswith("mtp.")}
-    for a, b in [("ce", "distill"), ("ce", "tv"), ("distill", "tv")]:
+    for a, b in [("ce", "distill"), ("ce", "tv"), ("distill", "tv"), ("tv", "accept"), ("distill", "accept")]:
         weight = "mtp.layers.0.eh_proj.weight"
         assert not torch.allclose(grads[a][weight], grads[b][weight], atol=1e-6), f"{a} and {b} gave the same gradient"
 
@@ -529,8 +704,10 @@ def test_metrics_accumulate_agreement_over_micro_batches_token_weighted() -> Non
     hooked = build()
     hooks = mtp_hooks.attach(hooked, objective="tv", loss_scale=LOSS_SCALE)
     expected: list[dict[str, float]] = []
+    chains: list[list[tuple[float, float]]] = []
     for micro in micros:
-        expected.append(stock_reference_step(build(), micro, "tv"))
+        chains.append([])
+        expected.append(stock_reference_step(build(), micro, "tv", chains=chains[-1]))
         with hooks.micro_batch(micro.batch.labels, micro.batch.loss_mask):
             logits = hooked(*micro.batch.model_args)
         masked_mean(main_ce_from_logits(logits, micro.batch.labels), micro.batch.loss_mask).backward()
@@ -541,6 +718,10 @@ def test_metrics_accumulate_agreement_over_micro_batches_token_weighted() -> Non
         for name in ("agree", "accept", "loss"):
             mean = sum(e[f"mtp_{k}/{name}"] * n for e, n in zip(expected, tokens)) / sum(tokens)
             assert metrics[f"mtp_{k}/{name}"] == pytest.approx(mean, rel=1e-5, abs=1e-6), f"mtp_{k}/{name}"
+    # Each term of the length pools its chained positions over both micro-batches (not a mean of the two lengths).
+    pooled = sum(sum(c[k][0] for c in chains) / sum(c[k][1] for c in chains) for k in range(2))
+    assert metrics["mtp/accept_len"] == pytest.approx(pooled, rel=1e-5, abs=1e-6)
+    assert metrics["mtp/accept_len"] != pytest.approx(sum(e["mtp/accept_len"] for e in expected) / 2, rel=1e-4)
     assert hooks.metrics() == {}
 
 
@@ -559,6 +740,7 @@ def test_depths_without_targets_report_no_ratios_and_no_gradient(objective: str)
         assert metrics[f"mtp_{k}/tokens"] == 0
         for name in ("loss", "acc", "agree", "accept"):
             assert f"mtp_{k}/{name}" not in metrics, f"mtp_{k}/{name}"
+    assert "mtp/accept_len" not in metrics
 
 
 # ============================================================================ refused options
@@ -582,6 +764,14 @@ def test_depths_without_targets_report_no_ratios_and_no_gradient(objective: str)
         pytest.param({"output": "logprobs", "temperature": True}, "temperature", id="temperature-bool"),
         pytest.param({"output": "logprobs", "temperature": "1.0"}, "temperature", id="temperature-str"),
         pytest.param({"temperature": 0.7}, "temperature", id="temperature-with-logits"),
+        pytest.param({"loss_impl": "dense", "objective": "accept"}, "loss_impl", id="dense-accept"),
+        pytest.param({"objective": "accept", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero"),
+        pytest.param({"objective": "accept", "draft_temperature": -0.5}, "draft_temperature", id="draft-temperature-negative"),
+        pytest.param({"objective": "tv", "draft_temperature": float("nan")}, "draft_temperature", id="draft-temperature-nan"),
+        pytest.param({"objective": "tv", "draft_temperature": float("inf")}, "draft_temperature", id="draft-temperature-inf"),
+        pytest.param({"objective": "distill", "draft_temperature": True}, "draft_temperature", id="draft-temperature-bool"),
+        pytest.param({"objective": "distill", "draft_temperature": "0.7"}, "draft_temperature", id="draft-temperature-str"),
+        pytest.param({"draft_temperature": 0.7}, "draft_temperature", id="draft-temperature-with-ce-alone"),
     ],
 )
 def test_bad_draft_options_are_refused_naming_the_argument(options: dict[str, Any], argument: str) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 import mtp_hooks
 from mtp_hooks import _mcore
 from tests.distributed import SpawnedGroup
-from tests.mcore_cpu import Batch, TinyGPT, context_parallel_positions, make_batch, masked_mean
+from tests.mcore_cpu import Batch, TinyGPT, context_parallel_positions, make_batch, masked_mean, output_layer_calls
 
 SEED = 1234
 VOCAB = 96  # divisible by 2 for vocabulary shards
@@ -35,6 +35,8 @@ CASES: dict[str, dict[str, Any]] = {
     "ce_agreement": dict(agreement_metrics=True),
     "distill": dict(objective="distill"),
     "tv": dict(objective="tv", chunk_size=5),
+    "accept_hot": dict(objective="accept", draft_temperature=1.7, chunk_size=5),
+    "agreement_cold": dict(agreement_metrics=True, draft_temperature=0.6),
     "logprobs": dict(output="logprobs", entropy=True, temperature=0.8, agreement_metrics=True, chunk_size=6),
 }
 
@@ -166,27 +168,46 @@ def scenario_vocab_parallel_functions() -> None:
         return grad
 
     for objective in OBJECTIVES:
-        h, w = shard_leaves()
-        out = lean_mtp_loss(h, w, labels, token_weight, group, 5, objective, teacher)
-        out.objective.backward()
-        ref_h, ref_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        logits, teacher_logits = ref_h @ ref_w.t(), teacher @ weight.t()
-        log_q, p = logits.log_softmax(-1), teacher_logits.softmax(-1)
-        per_token = {
-            "ce": -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
-            "distill": -(p * log_q).sum(-1),
-            "tv": 0.5 * (log_q.exp() - p).abs().sum(-1),
-        }[objective]
-        (per_token * token_weight).sum().backward()
-        agree = logits.argmax(-1) == teacher_logits.argmax(-1)
-        assert bool(agree[0]), "the tie case should agree on the lowest index"
-        torch.testing.assert_close(out.objective.detach(), (per_token * token_weight).sum().detach(), atol=1e-12, rtol=1e-10)
-        torch.testing.assert_close(out.ce, -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1).detach(), atol=1e-12, rtol=1e-10)
-        torch.testing.assert_close(out.accept, torch.minimum(p, log_q.exp()).sum(-1).detach(), atol=1e-12, rtol=1e-10)
-        assert torch.equal(out.agree, agree), objective
-        assert torch.equal(out.correct, logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= logits.max(-1).values)
-        torch.testing.assert_close(reduced_hidden_grad(h.grad), ref_h.grad, atol=1e-12, rtol=1e-10)
-        torch.testing.assert_close(w.grad, ref_w.grad[rows], atol=1e-12, rtol=1e-10)
+        for temperature in (0.6, 1.0, 1.7):
+            for dtype in (torch.float64, torch.float32, torch.bfloat16):
+                # fp64 tightly; fp32 and bf16 leaves against the float64 reference on their rounded values
+                # (bf16: logits as the bf16 GEMM gives them, gradients float64's), at their precision.
+                tol = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-6, 1e-4), torch.bfloat16: (3e-3, 2e-2)}[dtype]
+                h, w = (t.detach().to(dtype).requires_grad_(True) for t in shard_leaves())
+                out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), group, 5, objective, teacher.to(dtype), temperature=temperature)
+                out.objective.backward()
+                full_weight = weight.to(dtype).double()
+                ref_h, ref_w = hidden.to(dtype).double().clone().requires_grad_(True), full_weight.clone().requires_grad_(True)
+                logits, teacher_logits = ref_h @ ref_w.t(), teacher.to(dtype).double() @ full_weight.t()
+                if dtype == torch.bfloat16:
+                    low = (hidden.to(dtype) @ weight.to(dtype).t()).double()
+                    logits = logits + (low - logits).detach()
+                    teacher_logits = (teacher.to(dtype) @ weight.to(dtype).t()).double()
+                log_q, p = (logits / temperature).log_softmax(-1), (teacher_logits / temperature).softmax(-1)
+                ce = -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                alpha = torch.minimum(p, log_q.exp()).sum(-1)
+                per_token = {
+                    "ce": ce,
+                    "distill": -(p * log_q).sum(-1),
+                    "tv": 0.5 * (log_q.exp() - p).abs().sum(-1),
+                    "accept": -alpha.log(),
+                }[objective]
+                (per_token * token_weight).sum().backward()
+                where = f"{objective} T={temperature} {dtype}"
+                atol, rtol = tol
+                close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
+                    a.double(), b.detach().double(), atol=atol, rtol=rtol, msg=lambda m: f"{where} {what}: {m}"
+                )
+                close(out.objective.detach(), (per_token * token_weight).sum(), "objective")
+                close(out.ce, ce, "CE")
+                close(out.accept, alpha, "acceptance")
+                close(reduced_hidden_grad(h.grad), ref_h.grad, "hidden grad")
+                close(w.grad, ref_w.grad[rows], "weight grad")
+                if dtype == torch.float64:
+                    agree = logits.argmax(-1) == teacher_logits.argmax(-1)
+                    assert bool(agree[0]), "the tie case should agree on the lowest index"
+                    assert torch.equal(out.agree, agree), where
+                    assert torch.equal(out.correct, logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= logits.max(-1).values)
 
     h, w = shard_leaves()
     out = lean_logprobs(h, w, labels, group, 5, 0.9, True)
@@ -201,10 +222,33 @@ def scenario_vocab_parallel_functions() -> None:
     torch.testing.assert_close(w.grad, ref_w.grad[rows], atol=1e-12, rtol=1e-10)
 
 
-def scenario_context_parallel_distill(gradients: bool) -> dict[str, float]:
+def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positions: Tensor) -> float:
+    """``mtp/accept_len`` of the sequence positions ``positions`` from stock's own logits (CP=1):
+    ``alpha_k(t) = sum_v min(p_T(main, t+k), q_T(depth k, t))``, ``sum_k mean_t prod_{j<=k} alpha_j(t)``
+    over the positions where ``loss_mask[t+j]`` counts for every ``j <= k`` (``t+j`` inside the row)."""
+    with output_layer_calls(model) as calls:
+        model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+    depth = model.config.mtp_num_layers
+    main = (calls[-1].double() / temperature).softmax(-1)  # [s, b, V]
+    seq = main.shape[0]
+    chain_alpha, chain_mask = torch.ones(seq, main.shape[1], dtype=torch.float64), torch.ones(seq, main.shape[1], dtype=torch.float64)
+    length = 0.0
+    for k in range(1, depth + 1):
+        q = (calls[k - 1].double() / temperature).softmax(-1)
+        alpha, mask = torch.zeros_like(chain_alpha), torch.zeros_like(chain_mask)
+        alpha[: seq - k] = torch.minimum(main[k:], q[: seq - k]).sum(-1)
+        mask[: seq - k] = batch.loss_mask.t()[k:].double()
+        chain_alpha, chain_mask = chain_alpha * alpha, chain_mask * mask
+        picked = chain_mask[positions]
+        length += float((chain_alpha[positions] * picked).sum() / picked.sum())
+    return length
+
+
+def scenario_context_parallel_distill(gradients: bool, objective: str = "distill", temperature: float = 1.0) -> dict[str, float]:
     """CP=2 against the whole sequence at CP=1, ``calculate_per_token_loss`` (nothing normalised per
     rank): token-weighted agreement, acceptance and CE sums per depth add up over the CP ranks and,
-    with ``gradients``, so do the gradients."""
+    with ``gradients``, so do the gradients. Each rank's ``mtp/accept_len`` is that of its own
+    positions, from stock's logits of the whole sequence (the teachers cross CP ranks)."""
     from megatron.core import parallel_state
 
     from tests.mcore_cpu import init_parallel
@@ -213,7 +257,7 @@ def scenario_context_parallel_distill(gradients: bool) -> dict[str, float]:
     full = make_batch(VOCAB, batch=2, seq=16, seed=6)
 
     def step(model: nn.Module, batch: Batch) -> dict[str, float]:
-        hooks = mtp_hooks.attach(model, objective="distill")
+        hooks = mtp_hooks.attach(model, objective=objective, draft_temperature=temperature)
         logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
         per_token = model.compute_language_model_loss(batch.labels, logits.transpose(0, 1).clone(memory_format=torch.contiguous_format))
         (per_token * batch.loss_mask).sum().backward()
@@ -223,6 +267,7 @@ def scenario_context_parallel_distill(gradients: bool) -> dict[str, float]:
     reference_metrics = step(reference, full)
     reference_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
 
+    expected_len = {rank: _stock_accept_len(_build(overrides), full, temperature, context_parallel_positions(16, rank, 2)) for rank in (0, 1)}
     init_parallel(context_parallel_size=2)
     cp_group = parallel_state.get_context_parallel_group()
     index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
@@ -237,6 +282,7 @@ def scenario_context_parallel_distill(gradients: bool) -> dict[str, float]:
         ref_tokens = reference_metrics[f"mtp_{k}/tokens"]
         expected = torch.tensor([ref_tokens] + [reference_metrics[f"mtp_{k}/{n}"] * ref_tokens for n in names], dtype=torch.float64)
         torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-6, msg=lambda m: f"depth {k} (tokens, {names}): {m}")
+    assert metrics["mtp/accept_len"] == pytest.approx(expected_len[parallel_state.get_context_parallel_rank()], rel=1e-5, abs=1e-6)
     if gradients:
         for name, parameter in model.named_parameters():
             grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.detach().clone()
@@ -294,6 +340,10 @@ def test_vocab_parallel_losses_and_logprobs_equal_dense_references(group: Spawne
     ],
     ids=["metrics", "gradients"],
 )
-def test_context_parallel_distill_adds_up_to_the_whole_sequence(group: SpawnedGroup, gradients: bool) -> None:
-    results = group.run(scenario_context_parallel_distill, {}, gradients=gradients)
+@pytest.mark.parametrize(("objective", "temperature"), [("distill", 1.0), ("accept", 1.7), ("tv", 0.6)], ids=["distill", "accept_hot", "tv_cold"])
+def test_context_parallel_draft_objectives_add_up_to_the_whole_sequence(
+    group: SpawnedGroup, gradients: bool, objective: str, temperature: float
+) -> None:
+    results = group.run(scenario_context_parallel_distill, {}, gradients=gradients, objective=objective, temperature=temperature)
     assert results[0]["mtp_1/tokens"] != results[1]["mtp_1/tokens"]  # each CP rank scores its own half
+    assert results[0]["mtp/accept_len"] != pytest.approx(results[1]["mtp/accept_len"], rel=1e-4)
