@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.main_grad import add_product_, placeholder_grad
+from mtp_hooks.main_grad import HeadWeightGrad
 from mtp_hooks.vocab_parallel import (
     ProcessGroup,
     accumulation_dtype,
@@ -320,9 +320,8 @@ class LeanMTPLoss(torch.autograd.Function):
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
         ctx.recompute = need_weight_grad and not fused
-        ctx.weight_dtype, ctx.hidden_dtype, ctx.fold = weight.dtype, hidden.dtype, fold
-        ctx.main_grad = weight.main_grad if need_weight_grad and main_grad_protocol else None
-        ctx.weight = weight if ctx.main_grad is not None else None
+        ctx.hidden_dtype, ctx.fold = hidden.dtype, fold
+        ctx.weight_grad = HeadWeightGrad(weight, main_grad_protocol, hidden.dtype) if need_weight_grad else None
         if ctx.recompute:
             ctx.save_for_backward(
                 hidden_grad,
@@ -351,13 +350,8 @@ class LeanMTPLoss(torch.autograd.Function):
             d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
             d_weight = None
             if acc is not None:
-                factor = norm * upstream if norm is not None else upstream
-                if ctx.main_grad is not None:
-                    ctx.main_grad.addcmul_(acc, factor)
-                    d_weight = placeholder_grad(ctx.weight, ctx.main_grad, ctx.hidden_dtype, spent=acc)
-                else:  # scaled in the accumulator's precision, rounded once to the head's dtype
-                    d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
-                    torch.mul(acc, factor, out=d_weight)
+                ctx.weight_grad.add_scaled_(acc, norm * upstream if norm is not None else upstream)
+                d_weight = ctx.weight_grad.result()
             return d_hidden, d_weight, *nones
         hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, sign_q = ctx.saved_tensors
         upstream = grad_objective.to(lse.dtype)
@@ -365,11 +359,9 @@ class LeanMTPLoss(torch.autograd.Function):
         d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
         # Vocabulary slices with as many logits as a forward chunk, and at most a quarter of the
         # shard (backward runs while the model's activation gradients are live); each slice
-        # gives its own rows of dW (or adds them to main_grad).
+        # gives its own rows of dW (``main_grad.HeadWeightGrad``).
         tokens, shard = hidden.shape[0], weight.shape[0]
         columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
-        main_grad = ctx.main_grad
-        d_weight = torch.empty_like(weight) if main_grad is None else None
         q_space, p_space = Workspace(lse.dtype, hidden.device), Workspace(lse.dtype, hidden.device)
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
@@ -379,14 +371,9 @@ class LeanMTPLoss(torch.autograd.Function):
                 p = p_space.product(teacher, weight[cols]).sub_(lse_teacher.unsqueeze(-1)).exp_()
             grad = _logit_grad(ctx.objective, q, p, sign_q, local, in_shard, scaled, first)
             del q, p
-            if main_grad is not None:
-                add_product_(main_grad[cols], grad, hidden)
-            else:
-                torch.mm(q_space.rounded(grad, weight.dtype).t(), hidden, out=d_weight[cols])
+            ctx.weight_grad.add_rows_(cols, grad, hidden, q_space)
             del grad
-        if main_grad is not None:
-            d_weight = placeholder_grad(ctx.weight, main_grad, ctx.hidden_dtype)
-        return d_hidden, d_weight, *nones
+        return d_hidden, ctx.weight_grad.result(), *nones
 
 
 def _scale_rows(hidden_grad: Tensor, token_weight: Optional[Tensor], upstream: Tensor, folded: bool) -> Tensor:
