@@ -90,6 +90,8 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True))
             self._last["output_first"] = handles[-1].id
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_pre, with_kwargs=True))
+            if self.options.output == "logprobs":
+                handles.append(model.output_layer.register_forward_hook(self.on_output_layer_post))
             handles.append(model.decoder.register_forward_hook(self.on_decoder_post))
             self._last["decoder"] = handles[-1].id
         if model.mtp_process:

@@ -264,6 +264,7 @@ def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Te
         options.chunk_size or auto_chunk_size(weight.shape[0], s * b),
         options.temperature,
         options.entropy,
+        main_grad_protocol=follows_main_grad_protocol(layer, weight),
     )
 
     def as_bs(tensor: Tensor) -> Tensor:

@@ -3,7 +3,8 @@
 For RL losses that only need ``log p(label)`` and the entropy per token. Forward walks the tokens
 in chunks and keeps only the per-token log-sum-exp (and entropy); backward recomputes the logits
 one vocabulary slice at a time, each slice giving its own rows of the weight gradient. Each
-chunk's (slice's) temporaries are freed before the next one is computed.
+chunk's (slice's) temporaries are freed before the next one is computed. The weight's gradient
+follows mcore's ``main_grad`` protocol where asked (``main_grad.HeadWeightGrad``), as the MTP loss's does.
 Vocab-parallel: every reduction over the vocabulary runs over ``tp_group``. Knows nothing about
 hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's final hidden states.
 """
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from mtp_hooks.main_grad import HeadWeightGrad
 from mtp_hooks.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
 from mtp_hooks.workspace import Workspace
 
@@ -38,7 +40,9 @@ class LeanLogProbs(torch.autograd.Function):
 
     Inputs: ``hidden`` ``[T, H]`` (gathered / copied into the TP region by the caller), ``weight``
     ``[V/tp, H]``, ``labels`` ``[T]``. Outputs: log-probs ``[T]`` and entropy ``[T]`` (zeros when
-    ``with_entropy`` is false), in fp32 (fp64 for fp64 inputs).
+    ``with_entropy`` is false), in fp32 (fp64 for fp64 inputs). With ``main_grad_protocol``
+    (``main_grad.follows_main_grad_protocol``) backward adds the weight gradient to
+    ``weight.main_grad`` and returns mcore's placeholder, as mcore's output layer does.
     """
 
     @staticmethod
@@ -51,6 +55,7 @@ class LeanLogProbs(torch.autograd.Function):
         chunk_size: int,
         temperature: float,
         with_entropy: bool,
+        main_grad_protocol: bool = False,
     ) -> tuple[Tensor, Tensor]:
         tokens = hidden.shape[0]
         dtype = accumulation_dtype(hidden.dtype)
@@ -80,6 +85,7 @@ class LeanLogProbs(torch.autograd.Function):
                 entropy[rows] = reduced[1].log() - reduced[2] / reduced[1]
             del logits, shifted, exp, sums, reduced  # one chunk's temporaries alive at a time
         ctx.chunk_size, ctx.tp_group, ctx.temperature = chunk_size, tp_group, temperature
+        ctx.weight_grad = HeadWeightGrad(weight, main_grad_protocol, hidden.dtype) if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(hidden, weight, local, in_shard, lse, entropy)
         return logprobs, entropy
 
@@ -87,15 +93,14 @@ class LeanLogProbs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_logprobs: Tensor, grad_entropy: Tensor) -> tuple[Optional[Tensor], ...]:
         hidden, weight, local, in_shard, lse, entropy = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_hidden, weight_grad = ctx.needs_input_grad[0], ctx.weight_grad
         dtype = lse.dtype
         tokens, shard = hidden.shape[0], weight.shape[0]
         d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if need_hidden else None
-        d_weight = torch.empty_like(weight) if need_weight else None
         grad_logprobs = grad_logprobs.to(dtype).unsqueeze(-1)
         grad_entropy = None if grad_entropy is None else grad_entropy.to(dtype).unsqueeze(-1)
         # Vocabulary slices with two slice-sized temporaries (log q and q) holding as many logits as
-        # one forward chunk: each gives its own rows of dW (no [V, h] accumulator) and adds its part of dh.
+        # one forward chunk: each gives its own rows of dW (``HeadWeightGrad``) and adds its part of dh.
         columns = max(1, min(shard, -(-ctx.chunk_size * shard // max(2 * tokens, 1))))
         log_q_space, q_space = Workspace(dtype, hidden.device), Workspace(dtype, hidden.device)
         for first in range(0, shard, columns):
@@ -112,15 +117,17 @@ class LeanLogProbs(torch.autograd.Function):
             grad.scatter_add_(-1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
-            rounded = log_q_space.rounded(grad, weight.dtype)
             if need_hidden:
+                rounded = log_q_space.rounded(grad, weight.dtype)
                 torch.addmm(d_hidden, rounded.to(dtype), weight[cols].to(dtype), out=d_hidden)
-            if need_weight:
-                torch.mm(rounded.t(), hidden, out=d_weight[cols])
-            del log_q, q, grad, rounded  # one slice's temporaries alive at a time
+                del rounded
+            if weight_grad is not None:
+                weight_grad.add_rows_(cols, grad, hidden, log_q_space)
+            del log_q, q, grad  # one slice's temporaries alive at a time
         if d_hidden is not None:
             d_hidden = d_hidden.to(hidden.dtype)
-        return d_hidden, d_weight, None, None, None, None, None
+        d_weight = None if weight_grad is None else weight_grad.result()
+        return d_hidden, d_weight, None, None, None, None, None, None
 
 
 def lean_logprobs(
@@ -131,7 +138,33 @@ def lean_logprobs(
     chunk_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    main_grad_protocol: bool = False,
 ) -> TokenLogProbs:
     """Functional form of ``LeanLogProbs``; entropy is ``None`` unless ``with_entropy``."""
-    logprobs, entropy = LeanLogProbs.apply(hidden, weight, labels, tp_group, chunk_size, temperature, with_entropy)
+    logprobs, entropy = LeanLogProbs.apply(hidden, weight, labels, tp_group, chunk_size, temperature, with_entropy, main_grad_protocol)
     return TokenLogProbs(logprobs, entropy if with_entropy else None)
+
+
+class _ZeroGradientTo(torch.autograd.Function):
+    """Copies of ``outputs``; backward passes their gradients on and hands ``sink`` zeros."""
+
+    @staticmethod
+    def forward(ctx: Any, sink: Tensor, *outputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.sink = (sink.shape, sink.dtype, sink.device)
+        return tuple(output.clone() for output in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        shape, dtype, device = ctx.sink
+        return (torch.zeros(shape, dtype=dtype, device=device), *grads)
+
+
+def with_zero_gradient_to(out: TokenLogProbs, sink: Tensor) -> TokenLogProbs:
+    """``out`` (same values) whose backward also hands ``sink`` an exactly zero gradient, so the
+    graph that made ``sink`` runs its backward whenever the log-probs' does; ``out`` itself where
+    ``sink`` has no graph."""
+    if not sink.requires_grad:
+        return out
+    tensors = (out.logprobs,) if out.entropy is None else (out.logprobs, out.entropy)
+    copies = _ZeroGradientTo.apply(sink, *tensors)
+    return TokenLogProbs(copies[0], None if out.entropy is None else copies[1])

@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.main_grad import add_product_, placeholder_grad
+from mtp_hooks.main_grad import HeadWeightGrad
 from mtp_hooks.objectives import OBJECTIVES, check_temperature, draft_statistics, logit_grad, tempered_exp_
 from mtp_hooks.vocab_parallel import (
     ProcessGroup,
@@ -305,9 +305,8 @@ class LeanMTPLoss(torch.autograd.Function):
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective, ctx.temperature = chunk_size, tp_group, objective, temperature
         ctx.recompute = need_weight_grad and not fused
-        ctx.weight_dtype, ctx.hidden_dtype, ctx.fold = weight.dtype, hidden.dtype, fold
-        ctx.main_grad = weight.main_grad if need_weight_grad and main_grad_protocol else None
-        ctx.weight = weight if ctx.main_grad is not None else None
+        ctx.hidden_dtype, ctx.fold = hidden.dtype, fold
+        ctx.weight_grad = HeadWeightGrad(weight, main_grad_protocol, hidden.dtype) if need_weight_grad else None
         if ctx.recompute:
             ctx.save_for_backward(
                 hidden_grad,
@@ -337,13 +336,8 @@ class LeanMTPLoss(torch.autograd.Function):
             d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
             d_weight = None
             if acc is not None:
-                factor = norm * upstream if norm is not None else upstream
-                if ctx.main_grad is not None:
-                    ctx.main_grad.addcmul_(acc, factor)
-                    d_weight = placeholder_grad(ctx.weight, ctx.main_grad, ctx.hidden_dtype, spent=acc)
-                else:  # scaled in the accumulator's precision, rounded once to the head's dtype
-                    d_weight = torch.empty(acc.shape, dtype=ctx.weight_dtype, device=acc.device)
-                    torch.mul(acc, factor, out=d_weight)
+                ctx.weight_grad.add_scaled_(acc, norm * upstream if norm is not None else upstream)
+                d_weight = ctx.weight_grad.result()
             return d_hidden, d_weight, *nones
         hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, lse, lse_teacher, aux, accept = ctx.saved_tensors
         temperature = 1.0 if ctx.objective == "ce" else ctx.temperature
@@ -352,11 +346,9 @@ class LeanMTPLoss(torch.autograd.Function):
         d_hidden = None if hidden_grad is None else _scale_rows(hidden_grad, token_weight, upstream, ctx.fold)
         # Vocabulary slices with as many logits as a forward chunk, and at most a quarter of the
         # shard (backward runs while the model's activation gradients are live); each slice
-        # gives its own rows of dW (or adds them to main_grad).
+        # gives its own rows of dW (``main_grad.HeadWeightGrad``).
         tokens, shard = hidden.shape[0], weight.shape[0]
         columns = min(-(-ctx.chunk_size * shard // max(tokens, 1)), -(-shard // _MIN_WEIGHT_SLICES))
-        main_grad = ctx.main_grad
-        d_weight = torch.empty_like(weight) if main_grad is None else None
         q_space, p_space = Workspace(lse.dtype, hidden.device), Workspace(lse.dtype, hidden.device)
         for first in range(0, shard, columns):
             cols = slice(first, min(first + columns, shard))
@@ -366,14 +358,9 @@ class LeanMTPLoss(torch.autograd.Function):
                 p = _tempered(p_space.product(teacher, weight[cols]), temperature).sub_(lse_teacher.unsqueeze(-1)).exp_()
             grad = logit_grad(ctx.objective, q, p, aux, local, in_shard, scaled, first, alpha=accept, temperature=temperature)
             del q, p
-            if main_grad is not None:
-                add_product_(main_grad[cols], grad, hidden)
-            else:
-                torch.mm(q_space.rounded(grad, weight.dtype).t(), hidden, out=d_weight[cols])
+            ctx.weight_grad.add_rows_(cols, grad, hidden, q_space)
             del grad
-        if main_grad is not None:
-            d_weight = placeholder_grad(ctx.weight, main_grad, ctx.hidden_dtype)
-        return d_hidden, d_weight, *nones
+        return d_hidden, ctx.weight_grad.result(), *nones
 
 
 def _tempered(logits: Tensor, temperature: float) -> Tensor:

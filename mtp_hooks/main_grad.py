@@ -4,12 +4,13 @@ With ``gradient_accumulation_fusion=True`` mcore's ``ColumnParallelLinear`` adds
 straight into ``weight.main_grad`` (the buffer mcore's DDP reduces) inside
 ``LinearWithGradAccumulationAndAsyncCommunication.backward``, returns a placeholder gradient and
 sets ``weight.grad_added_to_main_grad``; DDP's hook then drops ``weight.grad`` unless the weight
-carries ``zero_out_wgrad`` (mcore sets it on the shared embedding, whose placeholder is zeros). A
-weight gradient returned through plain autograd would be dropped for an untied head, so the lean
-MTP loss follows the same protocol: it adds its share to ``main_grad`` itself and returns what
-mcore returns. ``defer_embedding_wgrad_compute`` only delays the main head's own addition to
-``main_grad`` (mcore drains it at the end of the pipeline) and sets the same flag, so the same
-protocol covers it: the MTP share is added in the loss's backward, stock's sum is the same.
+carries ``zero_out_wgrad`` (mcore sets it on the shared embedding at PP=1 only, whose placeholder
+is zeros). A weight gradient returned through plain autograd next to such a placeholder would be
+dropped: for an untied head, and for a tied one on a pipeline's last stage. So every weight
+gradient the library makes (the lean MTP loss, the log-probs) goes through ``HeadWeightGrad``: under
+the protocol it adds into ``main_grad`` and returns what mcore returns, else a plain gradient.
+``defer_embedding_wgrad_compute`` only delays mcore's own layer's addition to ``main_grad``
+(drained at the end of the pipeline) and sets the same flag, so the same protocol covers it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+
+from mtp_hooks.workspace import Workspace
 
 
 def follows_main_grad_protocol(layer: nn.Module, weight: Tensor) -> bool:
@@ -59,3 +62,51 @@ def placeholder_grad(weight: Tensor, main_grad: Tensor, dtype: torch.dtype, spen
         return spent.zero_() if zero else spent
     make: Any = torch.zeros if zero else torch.empty
     return make(main_grad.shape, dtype=dtype, device=main_grad.device)
+
+
+class HeadWeightGrad:
+    """The output weight's gradient as one autograd function of the library makes it.
+
+    Made in forward, where mcore's layer reads ``main_grad`` too. Backward hands it the parts:
+    ``add_rows_`` (rows ``grad.T @ hidden`` of one vocabulary slice) or ``add_scaled_`` (a whole
+    fp32 accumulator times the upstream factor), and returns ``result()`` as the weight's
+    gradient. With ``main_grad_protocol`` (``follows_main_grad_protocol``) the parts go into
+    ``weight.main_grad`` and the result is mcore's placeholder (``placeholder_grad``); without,
+    they make a plain gradient in the weight's dtype. ``input_dtype``: the hidden states' dtype
+    (mcore's placeholder has it).
+    """
+
+    def __init__(self, weight: Tensor, main_grad_protocol: bool, input_dtype: torch.dtype) -> None:
+        self.main_grad: Optional[Tensor] = weight.main_grad if main_grad_protocol else None
+        self._weight = weight if main_grad_protocol else None
+        self._shape, self._dtype, self._device = weight.shape, weight.dtype, weight.device
+        self._input_dtype = input_dtype
+        self._plain: Optional[Tensor] = None
+        self._spent: Optional[Tensor] = None
+
+    def add_rows_(self, rows: slice, grad: Tensor, hidden: Tensor, space: Workspace) -> None:
+        """Rows ``rows`` of the gradient: ``grad.T @ hidden``, ``grad`` the fp32 (fp64) logit gradient
+        ``[T, len(rows)]``; a plain gradient rounds it to the weight's dtype in ``space`` first."""
+        if self.main_grad is not None:
+            add_product_(self.main_grad[rows], grad, hidden)
+            return
+        if self._plain is None:
+            self._plain = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        torch.mm(space.rounded(grad, self._dtype).t(), hidden, out=self._plain[rows])
+
+    def add_scaled_(self, acc: Tensor, factor: Tensor) -> None:
+        """The whole gradient as ``acc * factor``; ``acc`` (fp32 ``[V/tp, H]``) is spent afterwards.
+        A plain gradient is scaled in ``acc``'s precision and rounded once."""
+        if self.main_grad is not None:
+            self.main_grad.addcmul_(acc, factor)
+            self._spent = acc
+            return
+        self._plain = torch.empty(acc.shape, dtype=self._dtype, device=acc.device)
+        torch.mul(acc, factor, out=self._plain)
+
+    def result(self) -> Optional[Tensor]:
+        """What the autograd function returns as the weight's gradient."""
+        if self.main_grad is None:
+            return self._plain
+        assert self._weight is not None
+        return placeholder_grad(self._weight, self.main_grad, self._input_dtype, spent=self._spent)

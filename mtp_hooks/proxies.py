@@ -7,7 +7,9 @@
   every read and write (writes land in the shared ``__dict__``, i.e. on the real config);
   ``copy``, ``deepcopy`` and ``pickle`` produce the real config's class with its real values.
   ``config_view(config, live, "recompute_granularity")`` is the same for another field: the MTP
-  layers of a packed batch run without the full recompute that stock 0.16 - 0.17 cannot do there.
+  layers of a packed batch run without the full recompute that stock 0.16 - 0.17 cannot do there;
+  with ``"defer_embedding_wgrad_compute"`` the dense MTP heads' own output-layer calls stay out of
+  mcore's deferred-wgrad buffers (``submodule_hooks``).
 * ``DetachedEmbedding`` (wrapt) calls the real embedding module and detaches what it returns, so
   the MTP layers learn from the next-token embeddings without sending gradient into them.
 """

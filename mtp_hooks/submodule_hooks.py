@@ -8,7 +8,8 @@
   (stock's own MTP loss off, ``_mcore``);
 * output-layer pre-hook kept first: closes the window before any user hook runs; the main
   output-layer pre-hook computes the MTP losses (``heads``) on the call that carries the block's
-  output, matched by identity, so a user's own call of the output layer (a logit lens) is stock's.
+  output, matched by identity, so a user's own call of the output layer (a logit lens) is stock's;
+  with ``output="logprobs"`` an output-layer forward hook gives mcore's own main-head call its gradient.
 
 Every hook acts only on the thread whose forward is in flight (``ForwardState.thread``) and on the
 model that forward runs (``ForwardState.model``), never on a stored reference.
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 
 from mtp_hooks import _mcore, heads
 from mtp_hooks.interrupts import forwards_on_stack
+from mtp_hooks.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
 from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
 from mtp_hooks.state import ForwardState, Originals
@@ -126,16 +128,44 @@ class SubmoduleHooks:
             return (args, kwargs) if state.output_weight is not None else None
         if state.head_labels is not None and state.head_output is None:
             state.head_output = heads.head_logprobs(self.options, layer, hidden, weight, state.head_labels)
-            hidden = hidden[:1]  # mcore's own head call still runs, on one position; its logits are dropped
+            # mcore's own head call still runs, on one position; its logits are dropped, and it gets
+            # its (zero) gradient through the log-probs (``on_output_layer_post``).
+            hidden = state.head_call = hidden[:1]
         return (hidden, *args[1:]), kwargs
+
+    def on_output_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """``output="logprobs"``: the log-probs carry a zero gradient back to the logits of mcore's own
+        main-head call (``logprobs.with_zero_gradient_to``), so that call gets its backward like any
+        head call. Under ``defer_embedding_wgrad_compute`` mcore's layer buffered the call's input, and
+        the pipeline's drain (``drain_embedding_wgrad_compute``) pairs every buffered input with a
+        buffered gradient; it cannot run on none, so removing the input instead would leave the
+        log-probs with lean MTP nothing to drain. The zero adds exactly nothing to any gradient."""
+        state = self.forward
+        if state is None or state.head_call is None or state.thread != threading.get_ident() or not args or args[0] is not state.head_call:
+            return None
+        state.head_call = None
+        if state.head_output is not None:
+            state.head_output = with_zero_gradient_to(state.head_output, output[0])
+        return None
 
     @staticmethod
     def _own_head_call(layer: nn.Module, state: ForwardState, hidden: Tensor, weight: Tensor) -> Tensor:
+        """The output layer called for one MTP depth (dense path). Under ``defer_embedding_wgrad_compute``
+        the call sees its config with that flag off, so its weight gradient is made in its own backward
+        and mcore's buffers keep one head call per micro-batch, the main head's: the drain pairs the
+        buffered inputs and gradients in order, while a micro-batch's head calls reach backward in the
+        reverse order (stock's deferred MTP heads get the main head's gradient paired with their input)."""
+        config = layer.__dict__.get("config")
+        undeferred = bool(getattr(config, "defer_embedding_wgrad_compute", False))
         state.in_own_head_call = True
+        if undeferred:
+            layer.__dict__["config"] = config_view(config, lambda: True, "defer_embedding_wgrad_compute")
         try:
             logits, _bias = layer(hidden, weight=weight, runtime_gather_output=False)
         finally:
             state.in_own_head_call = False
+            if undeferred:
+                layer.__dict__["config"] = config
         return logits
 
     def on_mtp_block_pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
