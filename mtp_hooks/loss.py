@@ -46,7 +46,7 @@ from mtp_hooks.vocab_parallel import (
     accumulation_dtype,
     all_reduce,
     argmax_matches,
-    group_rank,
+    first_argmax_candidates,
     shard_targets,
 )
 from mtp_hooks.workspace import Workspace
@@ -58,7 +58,6 @@ Objective = Literal["ce", "distill", "tv"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
 WeightGrad = Literal["fused", "recompute"]
 WEIGHT_GRAD_MODES: tuple[str, ...] = get_args(WeightGrad)
-_NO_INDEX = torch.iinfo(torch.long).max
 
 
 def choose_weight_grad(hidden_size: int, tokens: int) -> str:
@@ -104,12 +103,6 @@ def _add_weight_grad_(acc: Tensor, grad: Tensor, rounded: Tensor, hidden: Tensor
         torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
 
 
-def _global_argmax(values: Tensor, index: Tensor, row_max: Tensor, shard: int, group: ProcessGroup) -> Tensor:
-    """Candidate full-vocabulary argmax of each row from the shard's ``max`` (``values``, ``index``);
-    reduce with MIN over the group (lowest index wins ties)."""
-    return torch.where(values == row_max, index + group_rank(group) * shard, _NO_INDEX)
-
-
 def _logit_grad(
     objective: str,
     q: Tensor,
@@ -152,7 +145,8 @@ def _logit_grad(
 class _Chunk:
     """Per-token statistics of one chunk of tokens over the full (vocab-parallel) vocabulary.
 
-    Fills ``lse``, ``ce``, ``correct``, ``loss`` and, with a teacher, ``lse_teacher``,
+    Fills ``lse``, ``ce``, ``argmax`` (the full-vocabulary first argmax, or without a teacher
+    this shard's candidate for it), ``loss`` and, with a teacher, ``lse_teacher``,
     ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``sign_q``; ``q`` and ``p``
     are the chunk's local softmax columns, written over ``logits`` and ``teacher_logits``.
     Without a teacher ``q`` holds the exponentials and ``q_scale`` the factor that normalises
@@ -162,21 +156,24 @@ class _Chunk:
     def __init__(
         self, logits: Tensor, teacher_logits: Optional[Tensor], local: Tensor, in_shard: Tensor, objective: str, group: ProcessGroup
     ) -> None:
-        if teacher_logits is None:
-            maxima = [logits.amax(dim=-1)]  # values only: several times faster than max's (values, indices)
-        else:
-            values, index = logits.max(dim=-1)
+        values, index = logits.max(dim=-1)  # the first argmax counts, as stock 0.19's acceptance
+        maxima = [values]
+        if teacher_logits is not None:
             teacher_values, teacher_index = teacher_logits.max(dim=-1)
-            maxima = [values, teacher_values]
+            maxima.append(teacher_values)
         maxima = all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
         row_max = maxima[0]
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
+        # This shard's candidate for the first argmax (``first_argmax_candidates``): reduced with
+        # MIN over the group here with a teacher, else once for all chunks by ``LeanMTPLoss``.
+        self.argmax = first_argmax_candidates(values, index, row_max, group, logits.shape[-1])
         if teacher_logits is not None:
-            agree_index = torch.stack(
-                [_global_argmax(values, index, row_max, logits.shape[-1], group),
-                 _global_argmax(teacher_values, teacher_index, maxima[1], logits.shape[-1], group)]
-            )
+            teacher_argmax = first_argmax_candidates(teacher_values, teacher_index, maxima[1], group, logits.shape[-1])
+            agree_index = all_reduce(torch.stack([self.argmax, teacher_argmax]), group, dist.ReduceOp.MIN)
+            self.argmax = agree_index[0]
         shifted = logits.sub_(row_max.unsqueeze(-1))
+        # The label's logit minus the row's maximum, 0 for a label outside every shard (a masked-in
+        # -100 under validate="off"): mcore's vocab_parallel_cross_entropy, so the CE is stock's too.
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
         exp = shifted.exp() if objective == "distill" else shifted.exp_()
         sums = [picked, exp.sum(dim=-1)]
         if teacher_logits is not None:
@@ -184,8 +181,7 @@ class _Chunk:
             sums.append(teacher_exp.sum(dim=-1))
         sums = all_reduce(torch.stack(sums), group)
         self.lse = row_max + sums[1].log()
-        self.ce = self.lse - sums[0]
-        self.correct = sums[0] >= row_max
+        self.ce = sums[1].log() - sums[0]
         self.loss = self.ce
         self.p: Optional[Tensor] = None
         self.sign_q: Optional[Tensor] = None
@@ -204,7 +200,7 @@ class _Chunk:
             extra += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
         extra = all_reduce(torch.stack(extra), group)
         self.accept = extra[0]
-        self.agree = torch.eq(*all_reduce(agree_index, group, dist.ReduceOp.MIN))
+        self.agree = torch.eq(*agree_index)
         if objective == "distill":  # cross-entropy against p: lse - sum p z
             self.loss = sums[1].log() - extra[1]
         elif objective == "tv":  # 0.5 * sum |q - p|
@@ -278,7 +274,7 @@ class LeanMTPLoss(torch.autograd.Function):
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
         lse_teacher, sign_q, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype)
-        correct, agree = new(torch.bool), new(torch.bool)
+        argmax, agree = new(torch.long), new(torch.bool)
         # The hidden-state gradient made in forward carries the token weights where the head's dtype
         # can hold them (rounded where stock rounds its logit gradient); fp16 cannot hold
         # ``coef * softmax`` (2.4e-5 * 1e-5 is below its smallest normal), so there it is made at
@@ -297,7 +293,7 @@ class LeanMTPLoss(torch.autograd.Function):
             teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
             chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group)
             del logits, teacher_logits
-            lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
+            lse[rows], ce[rows], argmax[rows], loss[rows] = chunk.lse, chunk.ce, chunk.argmax, chunk.loss
             if teacher is not None:
                 lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
                 if chunk.sign_q is not None:
@@ -317,6 +313,9 @@ class LeanMTPLoss(torch.autograd.Function):
                     _add_weight_grad_(acc, grad, rounded, hidden[rows])
                 del grad, rounded
             del chunk  # one chunk's temporaries alive at a time
+        if teacher is None:  # the chunks' candidates, reduced in one collective
+            argmax = all_reduce(argmax, tp_group, dist.ReduceOp.MIN)
+        correct = argmax == labels  # stock 0.19's acceptance count: the first argmax is the label
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective = chunk_size, tp_group, objective
         ctx.recompute = need_weight_grad and not fused
