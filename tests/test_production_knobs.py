@@ -11,6 +11,8 @@
   is within stock's.
 * Hooks on the output layer (a soft-capping forward hook on ``output_layer``, a global forward
   hook): the MTP losses and gradients as stock's, whose MTP heads call the hooked layer.
+* ``output="logprobs"`` under ``Float16Module`` (bf16) and mcore's DDP around it: the model still
+  returns ``TokenLogProbs`` (the wrapper's fp32 upcast rebuilds tuples), equal to the logits path's.
 * An output layer whose class has its own ``forward`` (soft-capping) or ``_forward_impl``, no hooks:
   the same, through the path that calls it; ``output="logprobs"`` and the draft objectives refuse it.
 * ``loss_mask=None`` with ``calculate_per_token_loss``: no tensor built from host data and no host
@@ -233,6 +235,35 @@ def test_bf16_schedule_scale_is_applied_in_fp32(scale: float) -> None:
     out = _mixed_precision_errors(torch.bfloat16, scale, 0.3)
     assert abs(out["lean_scale"] - 1) <= max(abs(out["stock_scale"] - 1), 1e-3) + 5e-4, out
     assert out["lean"][0] <= 1.5 * out["stock"][0] + 1e-3, out
+
+
+# --------------------------------------------------------------------------- log-prob output under mcore's wrappers
+
+
+@pytest.mark.parametrize("wrapper", ["Float16Module", "DDP(Float16Module)"])
+def test_logprobs_output_survives_mcores_wrappers(wrapper: str) -> None:
+    """``Float16Module`` upcasts the last stage's outputs with ``float16_to_fp32``, which rebuilds
+    every tuple (a NamedTuple too) as a plain one; ``TokenLogProbs`` must come through it, and
+    through mcore's DDP around it, as it is."""
+    spec = TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16)
+    lean, reference = (Float16Module(model.config, model) for model in (spec.build(seed=7), spec.build(seed=7)))
+    if wrapper == "DDP(Float16Module)":
+        lean = DistributedDataParallel(lean.config, DistributedDataParallelConfig(overlap_grad_reduce=False), lean)
+    hooks = mtp_hooks.attach(lean, output="logprobs", entropy=True)
+    reference_hooks = mtp_hooks.attach(reference)
+    batch = make_batch(VOCAB, seed=38)
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        out = lean(*batch.model_args)
+    assert isinstance(out, mtp_hooks.TokenLogProbs), type(out)
+    logprobs, entropy = out  # unpacks as (logprobs, entropy)
+    assert logprobs is out.logprobs and entropy is out.entropy and out.logprobs.dtype == torch.float32
+    (out.logprobs * batch.loss_mask).sum().backward()
+    with reference_hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = reference(*batch.model_args)
+    log_p = logits.float().log_softmax(-1)
+    torch.testing.assert_close(out.logprobs.detach(), log_p.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy.detach(), -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=1e-5)
+    assert set(hooks.metrics()) >= {"mtp_1/loss", "mtp_2/loss"}
 
 
 # --------------------------------------------------------------------------- hooks on the output layer
