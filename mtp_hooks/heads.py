@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -29,6 +28,7 @@ from mtp_hooks.loss import choose_weight_grad, lean_mtp_loss
 from mtp_hooks.main_grad import follows_main_grad_protocol
 from mtp_hooks.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
+from mtp_hooks.stock_head import reproducible_head
 from mtp_hooks.targets import align_with_depths, mtp_targets
 
 # (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance,
@@ -50,33 +50,6 @@ def auto_chunk_size(vocab_shard: int, tokens: int) -> int:
     budget = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
     chunk = max(16, 2 ** int(math.log2(max(budget, 1))))
     return min(chunk, max(tokens, 1))
-
-
-def foreign_hooks(layer: nn.Module) -> bool:
-    """Whether a call of ``layer`` runs hooks that may change it: the layer's forward (pre-)hooks
-    and backward (pre-)hooks and torch's global module hooks, other than mtp_hooks' own and
-    torch's module trackers (``_TRANSPARENT_HOOK_MODULES``)."""
-    registries = (
-        layer._forward_pre_hooks,
-        layer._forward_hooks,
-        layer._backward_pre_hooks,
-        layer._backward_hooks,
-        _module._global_forward_pre_hooks,
-        _module._global_forward_hooks,
-        _module._global_backward_pre_hooks,
-        _module._global_backward_hooks,
-    )
-    return any(not _is_own_hook(hook) for registry in registries for hook in registry.values())
-
-
-# Hooks that never change a call: mtp_hooks' own, and torch's module trackers (FlopCounterMode,
-# the memory and distributed trackers), which only record which module is running.
-_TRANSPARENT_HOOK_MODULES = ("mtp_hooks.", "torch.utils.module_tracker", "torch.distributed._tools.")
-
-
-def _is_own_hook(hook: Any) -> bool:
-    function = getattr(hook, "__func__", hook)
-    return str(getattr(function, "__module__", "")).startswith(_TRANSPARENT_HOOK_MODULES)
 
 
 def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
@@ -116,10 +89,11 @@ def attach_mtp_losses(
     when they must not train it). Normalisation follows the installed mcore release
     (``_mcore.depth_coefficient``) unless ``options.per_token_rescale`` picks a rule;
     ``micro_batch_scale`` (a float or 0-d tensor, ``None`` = 1) multiplies the total weight.
-    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one. An output layer carrying hooks other
-    than mtp_hooks' own (``foreign_hooks``) takes the dense path: stock's MTP heads call the output
-    layer, so its hooks (soft-capping, adapters, monitors) act on them, and only a real call
-    reproduces that.
+    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one. An output
+    layer whose call the lean path does not reproduce (``stock_head.reproducible_head``: its own
+    ``forward``, TE's layer, foreign hooks) takes the dense path: stock's MTP heads call the output
+    layer, so what it does (soft-capping, adapters, monitors) acts on them, and only a real call
+    reproduces that; the draft objectives and agreement metrics, lean only, are refused there.
     """
     chunks = split_block_output(block_output, depth)
     loss_scale: Any = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
@@ -132,7 +106,17 @@ def attach_mtp_losses(
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
     rule = (loss_scale / depth, per_token, original_tokens)
-    if options.loss_impl == "dense" or foreign_hooks(layer):
+    reproducible = reproducible_head(layer)
+    if not reproducible and options.compares_with_main_head:
+        raise MTPHooksError(
+            f"objective: {options.objective!r} (and agreement_metrics) compute the MTP logits without calling the output layer, "
+            "which would bypass what its calls do\n"
+            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
+            "its own, no hooks other than mtp_hooks' own)\n"
+            f"  received: a {type(layer).__name__} whose call does more; use objective='ce' without agreement_metrics "
+            "(the dense path then calls it, as stock)"
+        )
+    if options.loss_impl == "dense" or not reproducible:
         main, sums = chunks[0], []
         for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
             scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(ce, *rule, n, options.per_token_rescale)  # noqa: E731
@@ -243,15 +227,17 @@ def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_par
 def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:
     """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``.
 
-    Scores the labels without calling the output layer, so hooks on it would not act on the
-    log-probs: an output layer with ``foreign_hooks`` is refused.
+    Scores the labels without calling the output layer, so what its calls do (hooks, a
+    ``forward`` of its own) would not act on the log-probs: a head that is not
+    ``reproducible_head`` is refused.
     """
-    if foreign_hooks(layer):
+    if not reproducible_head(layer):
         raise MTPHooksError(
-            "output: output='logprobs' computes the log-probs without calling the output layer, so the hooks "
-            "registered on it (or torch's global module hooks) would not act on them\n"
-            "  expected: an output layer without hooks other than mtp_hooks' own\n"
-            "  received: an output layer carrying other hooks; use output='logits' (the default) to keep them"
+            "output: output='logprobs' computes the log-probs without calling the output layer, so what its calls do "
+            "(hooks registered on it or torch's global module hooks, a forward or _forward_impl of its own class) "
+            "would not act on them\n"
+            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes, without hooks other than mtp_hooks' own\n"
+            f"  received: a {type(layer).__name__} whose call does more; use output='logits' (the default) to keep it"
         )
     tp_group = _mcore.tp_group_of(layer)
     full = head_input(layer, hidden, tp_group)

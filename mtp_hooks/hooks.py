@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mtp_hooks.errors import MTPHooksError, bad_state
-from mtp_hooks.models import _STATE_KEY, check_model, find_language_model
+from mtp_hooks.models import _STATE_KEY, check_model, check_wrappers, find_language_model
 from mtp_hooks.checks import Validate
 from mtp_hooks.forward import ForwardHooks
 from mtp_hooks.state import MicroBatch
@@ -263,7 +263,8 @@ def attach(
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
 
     Raises:
-        MTPHooksError: for a model without MTP layers, a second attach, bad arguments, or a
+        MTPHooksError: for a model without MTP layers, a second attach, bad arguments (also
+            for the wrappers given: ``models.check_wrappers``), or a
             megatron-core release that calls the output layer, MTP block or MTP layers with other
             keyword names than the hooks rely on (``_mcore.check_call_conventions``).
 
@@ -303,6 +304,7 @@ def attach(
         call_loss_scale=call_loss_scale,
     )
     options.check_config(language_model.config)
+    check_wrappers(model, options.detach_encoder)
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:
         raise MTPHooksError("model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)")
     hooks = MTPHooks(language_model, options)

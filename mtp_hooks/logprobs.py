@@ -11,7 +11,8 @@ hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's fina
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import dataclasses
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,22 @@ from mtp_hooks.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduc
 from mtp_hooks.workspace import Workspace
 
 
-class TokenLogProbs(NamedTuple):
-    """What the model returns with ``output="logprobs"``: ``[b, s]`` tensors (entropy ``None`` unless asked)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenLogProbs:
+    """What the model returns with ``output="logprobs"``: ``[b, s]`` tensors (entropy ``None`` unless asked).
+
+    Not a tuple, so that wrappers converting outputs tuple element by tuple element return it as
+    it is: mcore's ``Float16Module`` upcasts the last stage's outputs with ``float16_to_fp32``,
+    whose ``conversion_helper`` rebuilds every tuple (a NamedTuple too) as a plain one, and leaves
+    other objects to a conversion that touches half-precision tensors only (these are fp32).
+    Unpacks like one: ``logprobs, entropy = out``.
+    """
 
     logprobs: Tensor
     entropy: Optional[Tensor]
+
+    def __iter__(self) -> Iterator[Optional[Tensor]]:
+        return iter((self.logprobs, self.entropy))
 
 
 def _chunk_logits(space: Workspace, hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:

@@ -48,7 +48,7 @@ from mtp_hooks.vocab_parallel import (
     accumulation_dtype,
     all_reduce,
     argmax_matches,
-    group_rank,
+    first_argmax_candidates,
     shard_targets,
 )
 from mtp_hooks.workspace import Workspace
@@ -58,7 +58,6 @@ _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 
 
 WeightGrad = Literal["fused", "recompute"]
 WEIGHT_GRAD_MODES: tuple[str, ...] = get_args(WeightGrad)
-_NO_INDEX = torch.iinfo(torch.long).max
 
 
 def choose_weight_grad(hidden_size: int, tokens: int) -> str:
@@ -104,21 +103,18 @@ def _add_weight_grad_(acc: Tensor, grad: Tensor, rounded: Tensor, hidden: Tensor
         torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
 
 
-def _global_argmax(values: Tensor, index: Tensor, row_max: Tensor, shard: int, group: ProcessGroup) -> Tensor:
-    """Candidate full-vocabulary argmax of each row from the shard's ``max`` (``values``, ``index``);
-    reduce with MIN over the group (lowest index wins ties)."""
-    return torch.where(values == row_max, index + group_rank(group) * shard, _NO_INDEX)
 
 
 class _Chunk:
     """Per-token statistics of one chunk of tokens over the full (vocab-parallel) vocabulary.
 
-    Fills ``lse``, ``ce``, ``correct``, ``loss`` and, with a teacher, ``lse_teacher``,
+    Fills ``lse``, ``ce``, ``argmax`` (the full-vocabulary first argmax, or without a teacher
+    this shard's candidate for it), ``loss`` and, with a teacher, ``lse_teacher``,
     ``draft_lse`` (the log-normalisers of ``p`` and of the draft's ``q`` in tempered logits),
     ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``aux``
     (``objectives.DraftStats``); ``q`` and ``p`` are the chunk's local softmax columns, written
     over ``logits`` and ``teacher_logits``, at ``temperature`` but for ``"ce"``'s ``q``
-    (``objectives``). ``lse``, ``ce`` and ``correct`` are untempered. Without a teacher ``q``
+    (``objectives``). ``lse``, ``ce`` and ``argmax`` are untempered. Without a teacher ``q``
     holds the exponentials and ``q_scale`` the factor that normalises them (``logit_grad``
     applies it with the token weights: one pass over the chunk, not two).
     """
@@ -133,21 +129,24 @@ class _Chunk:
         group: ProcessGroup,
         temperature: float = 1.0,
     ) -> None:
-        if teacher_logits is None:
-            maxima = [logits.amax(dim=-1)]  # values only: several times faster than max's (values, indices)
-        else:
-            values, index = logits.max(dim=-1)
+        values, index = logits.max(dim=-1)  # the first argmax counts, as stock 0.19's acceptance
+        maxima = [values]
+        if teacher_logits is not None:
             teacher_values, teacher_index = teacher_logits.max(dim=-1)
-            maxima = [values, teacher_values]
+            maxima.append(teacher_values)
         maxima = all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
         row_max = maxima[0]
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
+        # This shard's candidate for the first argmax (``first_argmax_candidates``): reduced with
+        # MIN over the group here with a teacher, else once for all chunks by ``LeanMTPLoss``.
+        self.argmax = first_argmax_candidates(values, index, row_max, group, logits.shape[-1])
         if teacher_logits is not None:
-            agree_index = torch.stack(
-                [_global_argmax(values, index, row_max, logits.shape[-1], group),
-                 _global_argmax(teacher_values, teacher_index, maxima[1], logits.shape[-1], group)]
-            )
+            teacher_argmax = first_argmax_candidates(teacher_values, teacher_index, maxima[1], group, logits.shape[-1])
+            agree_index = all_reduce(torch.stack([self.argmax, teacher_argmax]), group, dist.ReduceOp.MIN)
+            self.argmax = agree_index[0]
         shifted = logits.sub_(row_max.unsqueeze(-1))
+        # The label's logit minus the row's maximum, 0 for a label outside every shard (a masked-in
+        # -100 under validate="off"): mcore's vocab_parallel_cross_entropy, so the CE is stock's too.
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
         # At T != 1 the CE on the labels still needs the untempered sum of exponentials (a temporary
         # for the draft objectives; "ce" keeps them: its gradient is the untempered softmax).
         tempered = teacher_logits is not None and temperature != 1.0
@@ -162,8 +161,7 @@ class _Chunk:
             sums.append(draft_exp.sum(dim=-1))
         sums = all_reduce(torch.stack(sums), group)
         self.lse = row_max + sums[1].log()
-        self.ce = self.lse - sums[0]
-        self.correct = sums[0] >= row_max
+        self.ce = sums[1].log() - sums[0]
         self.loss = self.ce
         self.p: Optional[Tensor] = None
         self.aux: Optional[Tensor] = None
@@ -185,7 +183,7 @@ class _Chunk:
         self.q_scale = None
         stats = draft_statistics(objective, q, p, shifted, log_sum, group)
         self.accept, self.aux = stats.accept, stats.aux
-        self.agree = torch.eq(*all_reduce(agree_index, group, dist.ReduceOp.MIN))
+        self.agree = torch.eq(*agree_index)
         if stats.loss is not None:
             self.loss = stats.loss
 
@@ -261,7 +259,7 @@ class LeanMTPLoss(torch.autograd.Function):
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
         lse, ce, loss = new(acc_dtype), new(acc_dtype), new(acc_dtype)
         lse_teacher, draft_lse, aux, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype)
-        correct, agree = new(torch.bool), new(torch.bool)
+        argmax, agree = new(torch.long), new(torch.bool)
         # The hidden-state gradient made in forward carries the token weights where the head's dtype
         # can hold them (rounded where stock rounds its logit gradient); fp16 cannot hold
         # ``coef * softmax`` (2.4e-5 * 1e-5 is below its smallest normal), so there it is made at
@@ -280,7 +278,7 @@ class LeanMTPLoss(torch.autograd.Function):
             teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
             chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group, temperature)
             del logits, teacher_logits
-            lse[rows], ce[rows], correct[rows], loss[rows] = chunk.lse, chunk.ce, chunk.correct, chunk.loss
+            lse[rows], ce[rows], argmax[rows], loss[rows] = chunk.lse, chunk.ce, chunk.argmax, chunk.loss
             if teacher is not None:
                 lse_teacher[rows], accept[rows], agree[rows] = chunk.lse_teacher, chunk.accept, chunk.agree
                 draft_lse[rows] = chunk.draft_lse
@@ -302,6 +300,9 @@ class LeanMTPLoss(torch.autograd.Function):
                     _add_weight_grad_(acc, grad, rounded, hidden[rows])
                 del grad, rounded
             del chunk  # one chunk's temporaries alive at a time
+        if teacher is None:  # the chunks' candidates, reduced in one collective
+            argmax = all_reduce(argmax, tp_group, dist.ReduceOp.MIN)
+        correct = argmax == labels  # stock 0.19's acceptance count: the first argmax is the label
         result = (loss * token_weight).sum()
         ctx.chunk_size, ctx.tp_group, ctx.objective, ctx.temperature = chunk_size, tp_group, objective, temperature
         ctx.recompute = need_weight_grad and not fused

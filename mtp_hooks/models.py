@@ -17,10 +17,17 @@ _STATE_KEY = "_mtp_hooks"
 
 def find_language_model(model: nn.Module) -> nn.Module:
     """The mcore language model inside ``model`` (itself, ``.module`` chains, ``.language_model``)."""
+    return _chain(model)[-1]
+
+
+def _chain(model: nn.Module) -> list[Any]:
+    """``model``, the wrappers inside it and, last, the mcore language model they hold."""
+    chain: list[Any] = []
     current: Any = model
     for _ in range(16):
+        chain.append(current)
         if isinstance(current, LanguageModule) and hasattr(current, "mtp_process"):
-            return current
+            return chain
         current = getattr(current, "module", None) or getattr(current, "language_model", None)
         if current is None:
             break
@@ -52,3 +59,40 @@ def check_model(language_model: nn.Module) -> None:
             "model: the MTP layers sit on another pipeline stage than the output layer (custom pipeline layout); "
             "mtp_hooks needs them on the same stage, the last one (the default without a layout)"
         )
+
+
+def check_wrappers(model: nn.Module, detach_encoder: bool) -> None:
+    """Refuse, before anything is registered, options the wrappers ``attach`` was given cannot run.
+
+    ``detach_encoder`` on a pipeline stage after the first (PP > 1): the stage's copy of the word
+    embeddings, which mcore keeps there for the MTP layers alone (untied heads), then gets no
+    gradient at all, and mcore's DDP with ``overlap_grad_reduce`` waits for every parameter's
+    gradient before it reduces a bucket: from the second step it asserts (stock's own
+    ``mtp_detach_heads`` fails the same way). Seen only when ``model`` is (or wraps) the DDP.
+    """
+    chain = _chain(model)
+    language_model = chain[-1]
+    if not detach_encoder or not _embedding_copy_for_mtp_alone(language_model):
+        return
+    for wrapper in chain[:-1]:
+        if getattr(getattr(wrapper, "ddp_config", None), "overlap_grad_reduce", False):
+            raise MTPHooksError(
+                "detach_encoder: on this pipeline stage the word embeddings are a copy the MTP layers alone use, "
+                "so detach_encoder leaves it without a gradient, and mcore's DDP with overlap_grad_reduce then "
+                "waits for it forever (an assertion from the second step)\n"
+                "  expected: DistributedDataParallelConfig(overlap_grad_reduce=False), or detach_encoder=False on a "
+                "pipeline stage after the first\n"
+                f"  received: detach_encoder=True under a {type(wrapper).__name__} with overlap_grad_reduce=True, on a stage "
+                "without pre_process (pipeline_model_parallel_size > 1)"
+            )
+
+
+def _embedding_copy_for_mtp_alone(language_model: nn.Module) -> bool:
+    """Whether the model's word embeddings are the MTP layers' own copy (a stage with the MTP
+    layers but without ``pre_process``) that nothing else trains (untied: the main head has its own weight)."""
+    if not getattr(language_model, "mtp_process", False) or getattr(language_model, "pre_process", True):
+        return False
+    if getattr(language_model, "share_embeddings_and_output_weights", False):
+        return False
+    embedding = getattr(language_model, "embedding", None)
+    return embedding is not None and embedding.word_embeddings.weight.requires_grad

@@ -37,17 +37,34 @@ def shard_targets(labels: Tensor, shard_size: int, group: ProcessGroup) -> tuple
     return local.clamp(0, shard_size - 1), in_shard
 
 
+NO_INDEX = torch.iinfo(torch.long).max
+
+
+def first_argmax_candidates(values: Tensor, index: Tensor, row_max: Tensor, group: ProcessGroup, shard: int) -> Tensor:
+    """This shard's candidate for each row's first argmax over the full vocabulary.
+
+    ``values``, ``index``: the shard's ``max(dim=-1)`` (torch takes the first of equal maxima);
+    ``row_max``: the maximum over the group. A shard holding the row's maximum offers its first
+    index of it as a full-vocabulary id, the others ``NO_INDEX``; MIN over the group gives the
+    first full-vocabulary index of the maximum, which is ``torch.argmax`` of the gathered logits
+    and stock mcore 0.19's vocab-parallel argmax (first rank holding the maximum, its first index).
+    """
+    return torch.where(values == row_max, index + group_rank(group) * shard, NO_INDEX)
+
+
 @torch.no_grad()
 def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Tensor:
-    """Whether each label's logit is the largest over the full (vocab-parallel) vocabulary.
+    """Whether each label is the first argmax of its logits over the full (vocab-parallel) vocabulary.
 
     ``logits`` ``[..., V/tp]``, ``labels`` ``[...]``; returns a bool tensor shaped like ``labels``.
-    A tie with another token counts as a match.
+    Counts as stock mcore 0.19's MTP acceptance does: a tie goes to the first index, so a label
+    tied with an earlier token does not match (nor does one outside the vocabulary).
     """
-    local, in_shard = shard_targets(labels, logits.shape[-1], tp_group)
-    row_max = all_reduce(logits.amax(dim=-1).float(), tp_group, dist.ReduceOp.MAX)
-    target = all_reduce(logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() * in_shard, tp_group)
-    return target >= row_max
+    values, index = logits.max(dim=-1)
+    values = values.float()
+    row_max = all_reduce(values.clone(), tp_group, dist.ReduceOp.MAX)
+    candidates = first_argmax_candidates(values, index, row_max, tp_group, logits.shape[-1])
+    return all_reduce(candidates, tp_group, dist.ReduceOp.MIN) == labels
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -71,9 +71,10 @@ def make_case(
 
 
 def mcore_dense(hidden: Tensor, weight: Tensor, labels: Tensor, token_weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """What stock mcore computes: full logits, then its vocab-parallel CE (objective, CE, correct)."""
+    """What stock mcore computes: full logits, then its vocab-parallel CE (objective, CE, correct);
+    correct as stock 0.19's acceptance counts at TP = 1: ``torch.argmax`` equals the label."""
     logits = hidden @ weight.t()
-    correct = argmax_matches(logits.detach(), labels, None)
+    correct = logits.detach().argmax(dim=-1) == labels
     ce = vocab_parallel_cross_entropy(logits.float().clone(), labels)
     return (ce * token_weight).sum(), ce.detach(), correct
 
@@ -155,18 +156,43 @@ def test_labels_at_vocabulary_edges_match_mcore(labels: str) -> None:
     assert_close(lean[4].grad, dense[4].grad, "weight grad")
 
 
-def test_correct_flags_count_a_tie_with_another_token_as_a_match() -> None:
+@pytest.mark.parametrize("label", ["first of the tie", "second of the tie"])
+def test_correct_flags_give_a_tie_to_the_first_index_as_stock(label: str) -> None:
+    """Stock 0.19 counts ``argmax == label``, and ``torch.argmax`` takes the first of equal maxima:
+    of two tied tokens only the lower index counts as predicted, in the lean loss and in
+    ``argmax_matches`` (the dense path's count)."""
     case = make_case(seed=4, zero_weights=False)
-    # Token 0's label logit ties with the best other token: duplicate that token's head row.
     logits = case.hidden @ case.weight.t()
     best = int(logits[0].argmax())
-    label = (best + 1) % VOCAB
-    case.weight[label] = case.weight[best]
-    case.labels[0] = label
+    twin = (best + 1) % VOCAB
+    case.weight[twin] = case.weight[best]  # token 0's maximum is now a tie of best and twin
+    first, second = min(best, twin), max(best, twin)
+    case.labels[0] = first if label == "first of the tie" else second
     _, _, correct, _, _ = run_lean(case, chunk_size=3)
-    assert bool(correct[0]), "a label whose logit ties the maximum should count as predicted"
-    expected = argmax_matches(case.hidden @ case.weight.t(), case.labels, None)
+    tied_logits = case.hidden @ case.weight.t()
+    assert tied_logits[0, first] == tied_logits[0, second] == tied_logits[0].max()
+    assert bool(correct[0]) == (label == "first of the tie")
+    expected = tied_logits.argmax(dim=-1) == case.labels
     assert torch.equal(correct, expected)
+    assert torch.equal(argmax_matches(tied_logits, case.labels, None), expected)
+
+
+@pytest.mark.parametrize("label", [-100, VOCAB], ids=["-100", "V"])
+def test_labels_outside_the_vocabulary_have_mcores_ce(label: int) -> None:
+    """Unvalidated labels outside the vocabulary (``validate="off"``): mcore's CE takes their
+    target logit as the row's maximum (0 after its shift), so their CE is ``logsumexp - max``;
+    the lean loss reports the same, and neither counts them as predicted."""
+    case = make_case(seed=6, zero_weights=False)
+    case.labels[::2] = label
+    lean = run_lean(case, chunk_size=3)
+    dense = run_dense(case)
+    logits = case.hidden @ case.weight.t()
+    torch.testing.assert_close(dense[1][::2], logits.logsumexp(-1)[::2] - logits.amax(-1)[::2])
+    for what, a, b in zip(("objective", "per-token CE"), lean[:2], dense[:2]):
+        assert_close(a, b, what)
+    assert not bool(lean[2][::2].any()) and torch.equal(lean[2], dense[2])
+    assert_close(lean[3].grad, dense[3].grad, "hidden grad")
+    assert_close(lean[4].grad, dense[4].grad, "weight grad")
 
 
 # ----------------------------------------------------------------------------- token weights

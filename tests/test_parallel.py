@@ -581,8 +581,8 @@ def test_mtp_targets_with_context_parallel_follow_the_contract(group: SpawnedGro
     assert min(checked) > 100  # enough targets were compared on both ranks
 
 
-def _stage_model(post_process: bool, with_mtp: bool) -> nn.Module:
-    """One stage of a custom pipeline layout, as mcore builds it (single process)."""
+def _stage_model(post_process: bool, with_mtp: bool, pre_process: bool = True, tied: bool = False) -> nn.Module:
+    """One stage of a pipeline layout, as mcore builds it (single process)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
@@ -599,7 +599,9 @@ def _stage_model(post_process: bool, with_mtp: bool) -> nn.Module:
         max_sequence_length=shape.max_sequence_length,
         position_embedding_type="learned_absolute",
         mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if with_mtp else None,
+        pre_process=pre_process,
         post_process=post_process,
+        share_embeddings_and_output_weights=tied,
     )
 
 
@@ -611,3 +613,53 @@ def test_mtp_on_another_stage_than_the_output_layer_is_refused(post_process: boo
     with pytest.raises(mtp_hooks.MTPHooksError, match="another pipeline stage than the output layer"):
         mtp_hooks.attach(model)
     assert mtp_hooks.hooks_of(model) is None
+
+
+def _last_stage_step(model: nn.Module, hooks: mtp_hooks.MTPHooks) -> None:
+    """One training micro-batch on a last pipeline stage: the previous stage's hidden states in, main CE out, backward."""
+    from tests.mcore_cpu import main_ce_from_logits
+
+    batch = make_batch(64, seq=8, seed=3)
+    model.set_input_tensor(torch.randn(8, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(4)))
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = model(*batch.model_args)
+    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+
+
+@pytest.mark.parametrize("detach_encoder", [False, True])
+def test_detach_encoder_leaves_a_later_stages_embedding_copy_without_gradient(detach_encoder: bool) -> None:
+    """Why it is refused under overlapped grad reduction: after the first pipeline stage the word
+    embeddings are a copy only the MTP layers use, and ``detach_encoder`` detaches their output."""
+    model = _stage_model(post_process=True, with_mtp=True, pre_process=False)
+    with mtp_hooks.attached(model, detach_encoder=detach_encoder) as hooks:
+        _last_stage_step(model, hooks)
+    grad = model.embedding.word_embeddings.weight.grad
+    assert (grad is None) == detach_encoder
+    assert model.mtp.layers[0].eh_proj.weight.grad is not None  # the MTP layers trained either way
+
+
+def _ddp(model: nn.Module, overlap_grad_reduce: bool) -> nn.Module:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(model.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+
+
+def test_detach_encoder_on_a_later_stage_under_overlapped_grad_reduce_is_refused_at_attach() -> None:
+    model = _stage_model(post_process=True, with_mtp=True, pre_process=False)
+    ddp = _ddp(model, overlap_grad_reduce=True)
+    with pytest.raises(mtp_hooks.MTPHooksError, match=r"^detach_encoder: .*overlap_grad_reduce.*\n.*overlap_grad_reduce=False.*\n.*received: detach_encoder=True under a DistributedDataParallel"):
+        mtp_hooks.attach(ddp, detach_encoder=True)
+    assert mtp_hooks.hooks_of(ddp) is None
+
+
+@pytest.mark.parametrize(
+    ("pre_process", "tied", "overlap_grad_reduce", "detach_encoder"),
+    [(True, False, True, True), (False, True, True, True), (False, False, False, True), (False, False, True, False)],
+    ids=["first_stage", "tied_heads", "no_overlap", "no_detach_encoder"],
+)
+def test_what_overlapped_grad_reduce_can_run_is_attached(pre_process: bool, tied: bool, overlap_grad_reduce: bool, detach_encoder: bool) -> None:
+    """The refusal is that case alone: a stage holding the real embeddings, a copy the tied main head
+    trains, synchronous grad reduction, or MTP gradients into the copy all attach."""
+    model = _stage_model(post_process=True, with_mtp=True, pre_process=pre_process, tied=tied)
+    hooks = mtp_hooks.attach(_ddp(model, overlap_grad_reduce), detach_encoder=detach_encoder)
+    hooks.remove()

@@ -143,6 +143,7 @@ def scenario_vocab_parallel_functions() -> None:
 
     from mtp_hooks.logprobs import lean_logprobs
     from mtp_hooks.loss import OBJECTIVES, lean_mtp_loss
+    from mtp_hooks.vocab_parallel import argmax_matches
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = dist.get_rank(group)
@@ -157,6 +158,7 @@ def scenario_vocab_parallel_functions() -> None:
     best = int((hidden[0] @ weight.t()).argmax())
     twin_row = (best + vocab // 2) % vocab  # the same row in the other shard: token 0 ties across ranks
     weight[twin_row] = weight[best]
+    labels[0] = max(best, twin_row)  # the later index of the tie: not the first argmax, so not correct
     rows = slice(rank * vocab // 2, (rank + 1) * vocab // 2)
 
     def shard_leaves() -> tuple[Tensor, Tensor]:
@@ -207,7 +209,20 @@ def scenario_vocab_parallel_functions() -> None:
                     agree = logits.argmax(-1) == teacher_logits.argmax(-1)
                     assert bool(agree[0]), "the tie case should agree on the lowest index"
                     assert torch.equal(out.agree, agree), where
-                    assert torch.equal(out.correct, logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= logits.max(-1).values)
+                    assert torch.equal(out.correct, logits.argmax(-1) == labels)  # stock 0.19's count: the first argmax
+
+    # No teacher ("ce" alone: the first-argmax candidates reduced once for all chunks), labels
+    # outside the vocabulary included (validate="off"): stock's CE, logsumexp - max, and not correct.
+    h, w = shard_leaves()
+    outside = labels.clone()
+    outside[1], outside[2] = -100, vocab
+    out = lean_mtp_loss(h, w, outside, token_weight, group, 5)
+    logits = hidden @ weight.t()
+    ce = logits.logsumexp(-1) - logits.gather(-1, outside.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+    ce[1:3] = logits.logsumexp(-1)[1:3] - logits.amax(-1)[1:3]
+    torch.testing.assert_close(out.ce, ce, atol=1e-12, rtol=1e-10)
+    assert torch.equal(out.correct, logits.argmax(-1) == outside) and not bool(out.correct[:3].any())
+    assert torch.equal(argmax_matches(logits[:, rows], outside, group), logits.argmax(-1) == outside)
 
     h, w = shard_leaves()
     out = lean_logprobs(h, w, labels, group, 5, 0.9, True)

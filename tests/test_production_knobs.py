@@ -11,6 +11,10 @@
   is within stock's.
 * Hooks on the output layer (a soft-capping forward hook on ``output_layer``, a global forward
   hook): the MTP losses and gradients as stock's, whose MTP heads call the hooked layer.
+* ``output="logprobs"`` under ``Float16Module`` (bf16) and mcore's DDP around it: the model still
+  returns ``TokenLogProbs`` (the wrapper's fp32 upcast rebuilds tuples), equal to the logits path's.
+* An output layer whose class has its own ``forward`` (soft-capping) or ``_forward_impl``, no hooks:
+  the same, through the path that calls it; ``output="logprobs"`` and the draft objectives refuse it.
 * ``loss_mask=None`` with ``calculate_per_token_loss``: no tensor built from host data and no host
   sync in the micro-batch (``tests.test_host_syncs`` holds the counters).
 """
@@ -29,6 +33,7 @@ from torch import Tensor, nn
 import mtp_hooks
 from benchmarks.counters import HostSyncs, HostToDevice
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 from tests.mcore_cpu import (
@@ -232,6 +237,35 @@ def test_bf16_schedule_scale_is_applied_in_fp32(scale: float) -> None:
     assert out["lean"][0] <= 1.5 * out["stock"][0] + 1e-3, out
 
 
+# --------------------------------------------------------------------------- log-prob output under mcore's wrappers
+
+
+@pytest.mark.parametrize("wrapper", ["Float16Module", "DDP(Float16Module)"])
+def test_logprobs_output_survives_mcores_wrappers(wrapper: str) -> None:
+    """``Float16Module`` upcasts the last stage's outputs with ``float16_to_fp32``, which rebuilds
+    every tuple (a NamedTuple too) as a plain one; ``TokenLogProbs`` must come through it, and
+    through mcore's DDP around it, as it is."""
+    spec = TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16)
+    lean, reference = (Float16Module(model.config, model) for model in (spec.build(seed=7), spec.build(seed=7)))
+    if wrapper == "DDP(Float16Module)":
+        lean = DistributedDataParallel(lean.config, DistributedDataParallelConfig(overlap_grad_reduce=False), lean)
+    hooks = mtp_hooks.attach(lean, output="logprobs", entropy=True)
+    reference_hooks = mtp_hooks.attach(reference)
+    batch = make_batch(VOCAB, seed=38)
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        out = lean(*batch.model_args)
+    assert isinstance(out, mtp_hooks.TokenLogProbs), type(out)
+    logprobs, entropy = out  # unpacks as (logprobs, entropy)
+    assert logprobs is out.logprobs and entropy is out.entropy and out.logprobs.dtype == torch.float32
+    (out.logprobs * batch.loss_mask).sum().backward()
+    with reference_hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = reference(*batch.model_args)
+    log_p = logits.float().log_softmax(-1)
+    torch.testing.assert_close(out.logprobs.detach(), log_p.gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy.detach(), -(log_p.exp() * log_p).sum(-1), atol=1e-5, rtol=1e-5)
+    assert set(hooks.metrics()) >= {"mtp_1/loss", "mtp_2/loss"}
+
+
 # --------------------------------------------------------------------------- hooks on the output layer
 
 
@@ -298,6 +332,102 @@ def test_logprobs_output_with_hooks_on_the_output_layer_is_refused() -> None:
     model.output_layer.register_forward_hook(soft_cap)
     batch = make_batch(VOCAB, seed=33)
     with pytest.raises(mtp_hooks.MTPHooksError, match="output='logprobs'.*hooks"):
+        with hooks.micro_batch(batch.labels, batch.loss_mask):
+            model(*batch.model_args)
+
+
+# --------------------------------------------------------------------------- output layers with their own forward
+
+
+class SoftCappedHead(ColumnParallelLinear):
+    """An output layer that soft-caps its logits in its own ``forward`` (no hooks)."""
+
+    def forward(self, input_: Tensor, weight: Optional[Tensor] = None, runtime_gather_output: Optional[bool] = None) -> Any:
+        logits, bias = super().forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        return torch.tanh(logits / 0.5) * 0.5, bias
+
+
+class ScaledImplHead(ColumnParallelLinear):
+    """An output layer whose own ``_forward_impl`` scales mcore's matmul."""
+
+    def _forward_impl(self, input: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # noqa: A002
+        return super()._forward_impl(input, weight, *args, **kwargs) * 1.7
+
+
+class TaggedHead(ColumnParallelLinear):
+    """A subclass that only adds an attribute: its call is mcore's own."""
+
+    tag = "lm_head"
+
+
+def with_output_layer(model: nn.Module, head: type) -> nn.Module:
+    """``model`` with its output layer rebuilt as a ``head`` (same arguments, same weights)."""
+    old = model.output_layer
+    new = head(
+        old.input_size,
+        old.output_size,
+        config=model.config,
+        init_method=model.config.init_method,
+        bias=False,
+        gather_output=old.gather_output,
+        skip_weight_param_allocation=old.weight is None,
+    )
+    new.load_state_dict(old.state_dict())
+    model.output_layer = new
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("head", [SoftCappedHead, ScaledImplHead], ids=["own forward", "own _forward_impl"])
+@pytest.mark.parametrize("path", PATHS)
+def test_an_output_layer_with_its_own_forward_applies_to_the_mtp_heads_as_in_stock(path: str, head: type, tied: bool) -> None:
+    spec = TinyGPT(vocab_size=VOCAB, tied=tied)
+    stock, hooked = (with_output_layer(spec.build(seed=5), head) for _ in range(2))
+    batch = make_batch(VOCAB, seed=34)
+    hooks = mtp_hooks.attach(hooked, loss_impl=path)
+    step(lambda: stock_loss(stock, batch), 1.0)
+    expected_losses = stock_mtp_losses()
+    step(lambda: hooked_loss(hooked, hooks, batch), 1.0)
+    metrics = hooks.metrics()
+    assert len(expected_losses) == 2
+    for k, loss in enumerate(expected_losses, start=1):
+        assert metrics[f"mtp_{k}/loss"] == pytest.approx(loss, rel=1e-5)
+    assert hooks.loss_path == "dense"  # only a call of the layer runs its own forward
+    for (name, p), ref in zip(hooked.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_subclass_that_keeps_mcores_forward_stays_lean() -> None:
+    spec = TinyGPT(vocab_size=VOCAB)
+    stock, hooked = (with_output_layer(spec.build(seed=5), TaggedHead) for _ in range(2))
+    batch = make_batch(VOCAB, seed=35)
+    hooks = mtp_hooks.attach(hooked)
+    step(lambda: stock_loss(stock, batch), 1.0)
+    expected_losses = stock_mtp_losses()
+    step(lambda: hooked_loss(hooked, hooks, batch), 1.0)
+    assert hooks.loss_path in ("fused", "recompute")
+    metrics = hooks.metrics()
+    for k, loss in enumerate(expected_losses, start=1):
+        assert metrics[f"mtp_{k}/loss"] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("head", [SoftCappedHead, ScaledImplHead], ids=["own forward", "own _forward_impl"])
+def test_logprobs_output_with_an_output_layer_of_its_own_forward_is_refused(head: type) -> None:
+    model = with_output_layer(TinyGPT(vocab_size=VOCAB).build(seed=5), head)
+    hooks = mtp_hooks.attach(model, output="logprobs")
+    batch = make_batch(VOCAB, seed=36)
+    with pytest.raises(mtp_hooks.MTPHooksError, match=f"output='logprobs'.*forward.*\n.*\n.*{head.__name__}.*output='logits'"):
+        with hooks.micro_batch(batch.labels, batch.loss_mask):
+            model(*batch.model_args)
+
+
+@pytest.mark.parametrize("options", [{"objective": "tv"}, {"agreement_metrics": True}], ids=["tv", "agreement_metrics"])
+def test_draft_objectives_with_an_output_layer_of_its_own_forward_are_refused(options: dict[str, Any]) -> None:
+    """They run lean only; the dense path that would call the layer keeps stock's CE."""
+    model = with_output_layer(TinyGPT(vocab_size=VOCAB).build(seed=5), SoftCappedHead)
+    hooks = mtp_hooks.attach(model, **options)
+    batch = make_batch(VOCAB, seed=37)
+    with pytest.raises(mtp_hooks.MTPHooksError, match="objective.*\n.*\n.*SoftCappedHead.*objective='ce'"):
         with hooks.micro_batch(batch.labels, batch.loss_mask):
             model(*batch.model_args)
 

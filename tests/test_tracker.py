@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import mtp_hooks
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.mcore_cpu import TinyGPT, hooked_train_step, make_batch, stock_train_step
+from tests.mcore_cpu import Batch, TinyGPT, hooked_train_step, make_batch, stock_train_step
 
 VOCAB = 64
 TENSOR_KEYS = ("values", "loss_values", "correct_values", "total_values")
@@ -51,6 +52,69 @@ def test_training_micro_batches_fill_the_tracker_like_stock(options: dict[str, A
     for batch in batches:
         hooked_train_step(hooked, hooks, batch)
     assert_same_tracker(tracker_snapshot(), expected)
+
+
+def tie_output_rows(model: torch.nn.Module, ties: str) -> None:
+    """Make the output weight's rows tie the logits: every row equal to row 0 (``"all rows"``),
+    row 2i+1 equal to row 2i (``"pairs"``), or every row nearly row 0 (``"near rows"``: logits that
+    tie once rounded to a bf16 model's)."""
+    with torch.no_grad():
+        weight = model.output_layer.weight
+        if ties == "all rows":
+            weight.copy_(weight[:1].expand_as(weight))
+        elif ties == "pairs":
+            weight[1::2] = weight[0::2]
+        else:
+            noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+            weight.copy_(weight[:1] + 3e-5 * noise.to(weight.dtype))
+
+
+@pytest.mark.parametrize("ties", ["all rows", "pairs", "near rows"])
+@pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}, {"detach_encoder": True, "detach_head": True}], ids=["lean", "dense", "detached"])
+def test_acceptance_counts_give_ties_to_the_first_index_as_stock(options: dict[str, Any], ties: str) -> None:
+    """Stock 0.19 counts a position as correct when ``argmax == label``, the first of tied maxima
+    winning; the hooks' counts must be stock's, also where tied or bf16-rounded logits tie."""
+    dtype = torch.bfloat16 if ties == "near rows" else torch.float32
+    spec = TinyGPT(vocab_size=VOCAB, mtp_num_layers=2, params_dtype=dtype)
+    stock, hooked = spec.build(seed=2), spec.build(seed=2)
+    for model in (stock, hooked):
+        tie_output_rows(model, ties)
+    if dtype == torch.bfloat16:
+        stock, hooked = Float16Module(stock.config, stock), Float16Module(hooked.config, hooked)
+    hooks = mtp_hooks.attach(hooked, **options)
+    batch = make_batch(VOCAB, seq=12, mask="ones", seed=8)
+    MTPLossLoggingHelper.tracker.clear()
+    stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+    expected = tracker_snapshot()
+    if "correct_values" not in expected:
+        pytest.skip("this megatron-core records no MTP acceptance counts (0.19+ does)")
+    hooked_train_step(hooked, hooks, batch)
+    actual = tracker_snapshot()
+    assert expected["total_values"].tolist() == [22.0, 20.0]
+    assert actual["correct_values"].tolist() == expected["correct_values"].tolist()
+    assert actual["total_values"].tolist() == expected["total_values"].tolist()
+    torch.testing.assert_close(actual["loss_values"], expected["loss_values"], rtol=1e-5 if dtype == torch.float32 else 2e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}], ids=["lean", "dense"])
+def test_masked_in_labels_outside_the_vocabulary_log_stocks_loss_with_validation_off(options: dict[str, Any]) -> None:
+    """``validate="off"`` checks no label values, as stock: a masked-in -100 gets mcore's CE
+    (target logit = the row's maximum), so the logged loss is stock's, in ``metrics()`` and in
+    mcore's tracker."""
+    spec = TinyGPT(vocab_size=VOCAB, mtp_num_layers=2)
+    stock, hooked = spec.build(seed=2), spec.build(seed=2)
+    hooks = mtp_hooks.attach(hooked, validate="off", **options)
+    batch = make_batch(VOCAB, seq=10, mask="ones", seed=9)
+    labels = batch.labels.clone()
+    labels[:, 3::4] = -100
+    batch = Batch(batch.input_ids, batch.position_ids, labels, batch.loss_mask)
+    stock_train_step(stock, batch)
+    expected = tracker_snapshot()
+    hooked_train_step(hooked, hooks, batch)
+    assert_same_tracker(tracker_snapshot(), expected)
+    metrics = hooks.metrics()
+    stock_losses = expected.get("loss_values", expected.get("values"))
+    assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses.tolist(), rel=1e-5)
 
 
 def test_megatron_track_mtp_metrics_logs_the_same_losses() -> None:
