@@ -2,10 +2,11 @@
 
 Test-only support for ``tests/test_parity_pipeline.py``. ``run_stock(knobs, ...)`` and
 ``run_hooked(case, ...)`` build this rank's model chunks (one per virtual stage, same seed), wrap
-each in mcore's ``DistributedDataParallel`` (fp32 ``main_grad``), run several training
+each in mcore's ``DistributedDataParallel`` (fp32 ``main_grad``), run two steps of four training
 micro-batches through ``get_forward_backward_func()`` with Megatron's ``finalize_model_grads`` as
-the schedule's finalize hook, and return a ``Run``: every parameter's ``main_grad`` per chunk, the
-last stage's logits or log-probs and per-depth MTP losses per micro-batch, and mcore's MTP tracker.
+the schedule's finalize hook (no optimizer step: both steps' gradients are the same), and return a
+``Run`` of the last step: every parameter's ``main_grad`` per chunk, the last stage's logits or
+log-probs and per-depth MTP losses per micro-batch, and mcore's MTP tracker.
 
 CPU accommodations, as in the other suites: ``cuda_calls_on_cpu`` and ``cuda_stream_on_cpu``
 around the schedule, ``fused_wgrad_kernel_on_cpu`` for gradient-accumulation fusion. With
@@ -40,6 +41,7 @@ from tests.pipeline_cases import Case, Knobs
 
 SEED = 1234
 MICRO_BATCHES = 4
+STEPS = 2  # DDP's bucket bookkeeping asserts only from a step's zero_grad_buffer on; the last step is compared
 SEQ = 8
 
 
@@ -140,6 +142,18 @@ def _on_cpu(fusion: bool) -> Iterator[None]:
         yield
 
 
+def _steps(model: list[nn.Module], batches: list[Batch], step: Any, records: tuple[list[Any], ...]) -> None:
+    """``STEPS`` training steps without an optimizer step (each one's gradients are the same); what
+    ``records`` and mcore's tracker hold is the last step's, as Megatron's ``training_log`` reads it."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    for _ in range(STEPS):
+        for record in records:
+            record.clear()
+        MTPLossLoggingHelper.tracker.clear()
+        _schedule(model, batches, step)
+
+
 def _schedule(model: list[nn.Module], batches: list[Batch], step: Any) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -200,7 +214,7 @@ def run_stock(knobs: Knobs, vpp: Optional[int], batches: list[Batch]) -> Run:
             mtp.append((tracked_mtp_losses() - before).tolist())
             return per_token, partial(_masked_sum, batch.loss_mask)
 
-        _schedule(model, batches, step)
+        _steps(model, batches, step, (outputs, mtp))
         return _finish(model, outputs, mtp)
 
 
@@ -234,7 +248,7 @@ def run_hooked(case: Case, batches: list[Batch]) -> Run:
             return per_token, partial(_masked_sum, batch.loss_mask)
 
         try:
-            _schedule(model, batches, step)
+            _steps(model, batches, step, (outputs, mtp))
             return _finish(model, outputs, mtp)
         finally:
             for h in hooks:

@@ -1,19 +1,21 @@
 """Pipeline parallelism in the parity matrix: hooks against stock through mcore's own schedule.
 
 Every case (``tests.pipeline_cases``) runs on each rank of a spawned gloo group: stock chunks and
-hooked twins (same seed) in mcore DDP, four micro-batches through ``get_forward_backward_func()``
-with Megatron's ``finalize_model_grads``; then, rank by rank and chunk by chunk, every parameter's
-``main_grad``, the last stage's logits or log-probs and per-depth MTP losses per micro-batch (stock:
-its tracker; hooks: ``metrics()``), and mcore's MTP tracker after the step.
+hooked twins (same seed) in mcore DDP, wired as Megatron's ``training.py`` wires them (``no_sync_func``;
+with ``overlap_grad_reduce`` also ``grad_sync_func``, as under its default ``align_grad_reduce``), two
+steps of four micro-batches through ``get_forward_backward_func()`` with Megatron's
+``finalize_model_grads``; then, rank by rank and chunk by chunk, every parameter's ``main_grad``, the
+last stage's logits or log-probs and per-depth MTP losses per micro-batch (stock: its tracker; hooks:
+``metrics()``), and mcore's MTP tracker (0.19+: acceptance counts too) after the last step.
 
 Gradients are compared with the right reference: stock built as the case, except under a knob
 where stock itself is wrong (``STOCK_DEFECTS``: stock without that knob), and under detach flags
 stock with the MTP loss weighted 0 for the parameters the flags keep the MTP loss out of. The
 ``test_stock_*`` tests pin each of stock's own deviations (they fail once stock is fixed).
 
-Default: a pairwise selection of the factors on PP=2 and PP=2 x VPP=2 (2 ranks), and one case each
-on TP=2 x PP=2 and CP=2 x PP=2 (4 ranks). ``MTP_PARITY=full``: every allowed combination on 2 ranks
-and a pairwise selection on 4.
+Default: a pairwise selection of the factors on PP=2 and PP=2 x VPP=2 (19 cases, 2 ranks) and three
+cases on TP=2 x PP=2 and CP=2 x PP=2 (4 ranks). ``MTP_PARITY=full``: every allowed combination on
+2 ranks (576) and a pairwise selection per 4-rank layout (18 each).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests.pipeline_parity import Run, batches_for_this_rank, rel_l2, run_hooked
 
 FULL = os.environ.get("MTP_PARITY") == "full"
 ATOL, RTOL = 1e-6, 1e-5
+HEAD, WORDS = "output_layer.weight", "embedding.word_embeddings.weight"
 
 TWO_RANK_CASES = full_product() if FULL else pairwise()
 FOUR_RANK_CASES = (
@@ -109,12 +112,9 @@ def scenario_stock_deviation(fields: dict[str, Any]) -> dict[str, Any]:
     stock = run_stock(case.knobs, case.vpp, batches)
     reference = run_stock(case.reference, case.vpp, batches)
     hooked = run_hooked(case, batches)
-    names = ("output_layer.weight", "embedding.word_embeddings.weight")
-    return {
-        "last_stage": hooked.last_stage,
-        "failures": compare(case, hooked, stock, reference, None),
-        **{kind: {n: run.grads[-1][n] for n in names if n in run.grads[-1]} for kind, run in (("stock", stock), ("reference", reference), ("hooks", hooked))},
-    }
+    runs = {"stock": stock, "reference": reference, "hooks": hooked}
+    last_chunk = {kind: {n: run.grads[-1][n] for n in (HEAD, WORDS) if n in run.grads[-1]} for kind, run in runs.items()}
+    return {"last_stage": hooked.last_stage, "failures": compare(case, hooked, stock, reference, None), **last_chunk}
 
 
 # ------------------------------------------------------------------ tests
@@ -165,8 +165,6 @@ def _last_stage(pair: SpawnedGroup, case: Case) -> tuple[dict[str, Any], list[st
     failures = [f"rank {rank}: {line}" for rank, r in enumerate(results) for line in r["failures"]]
     return next(r for r in results if r["last_stage"]), failures
 
-
-HEAD, WORDS = "output_layer.weight", "embedding.word_embeddings.weight"
 
 
 def test_stock_drops_the_mtp_embedding_lookup_gradient_with_tied_heads_and_fusion(pair: SpawnedGroup) -> None:
