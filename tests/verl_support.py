@@ -37,3 +37,28 @@ def import_verl() -> types.SimpleNamespace:
 def model_config(verl: types.SimpleNamespace, detach_encoder: bool) -> Any:
     """What ``patch_engine_mtp`` reads of verl's ``HFModelConfig``: its ``mtp`` (a real ``MtpConfig``)."""
     return types.SimpleNamespace(mtp=verl.MtpConfig(enable=True, enable_train=True, detach_encoder=detach_encoder))
+
+
+def verl_function(module: str, name: str) -> Any:
+    """verl's own top-level function ``name`` of ``module``, compiled from its installed source alone.
+
+    For functions of modules whose imports this environment lacks (``verl.trainer.ppo.ray_trainer``
+    imports ray's trainer stack and torchdata): the function's definition is taken from the
+    installed file by ``ast`` and compiled unchanged, with the module's file name, against
+    builtins only, so it must read no module global (a ``NameError`` says it does).
+    """
+    import ast
+    import importlib.util
+
+    import_verl()
+    package, _, leaf = module.rpartition(".")
+    spec = importlib.util.find_spec(package)
+    path = os.path.join(os.path.dirname(spec.origin), leaf + ".py")
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), filename=path)
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name]
+    if len(found) != 1:
+        raise RuntimeError(f"{module}.{name}: {len(found)} top-level definitions in {path}, expected 1")
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.Module(body=found, type_ignores=[]), path, "exec"), namespace)
+    return namespace[name]

@@ -18,12 +18,15 @@ gradients with ``mtp_hooks.attach`` on every chunk, per installed megatron-core 
 * Target rolls and the embedding path use ``packed_seq_params.cp_group`` when present (the
   hooks do so for every user).
 
+``draft_acceptance_metrics`` puts the trainer's expected draft acceptance beside the rollout
+engine's measured one (verl's ``rollout/spec_accept_*``) and their gap.
+
 verl itself is not imported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from torch import nn
 
@@ -35,7 +38,11 @@ from mtp_hooks.models import find_language_model
 # Where verl's engine (``gptmodel_forward_model_engine``) puts its per-micro-batch factor.
 NORMALIZATION_FACTOR_ATTR = "_verl_mtp_loss_normalization_factor"
 
-__all__ = ["NORMALIZATION_FACTOR_ATTR", "attach_engine_mtp", "verl_options"]
+# What verl 0.9.1 logs of the rollout engine's speculative decoding (``compute_spec_decode_metrics``).
+ENGINE_ACCEPT_RATE = "rollout/spec_accept_rate"
+ENGINE_ACCEPT_LENGTH = "rollout/spec_accept_length"
+
+__all__ = ["ENGINE_ACCEPT_LENGTH", "ENGINE_ACCEPT_RATE", "NORMALIZATION_FACTOR_ATTR", "attach_engine_mtp", "draft_acceptance_metrics", "verl_options"]
 
 
 def verl_options(model_config: Any, config: Any) -> dict[str, Any]:
@@ -92,3 +99,51 @@ def attach_engine_mtp(module: Any, model_config: Any, **overrides: Any) -> list[
             hooks.remove()
         raise
     return attached
+
+
+def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engine: Mapping[str, Any], *, draft_tokens: int) -> dict[str, float]:
+    """The trainer's expected draft acceptance beside the rollout engine's measured one, for one step.
+
+    ``trainer``: ``MTPHooks`` (read with ``metrics(reset=False)``) or a dict they returned, with
+    acceptance measured (``agreement_metrics=True`` or a draft objective, at ``draft_temperature``
+    = the rollout's temperature). ``engine``: verl's step metrics; ``draft_tokens``: the draft tokens
+    the engine proposes per verification step (verl's ``mtp.num_speculative_tokens``), 1 or the
+    trainer's depth N.
+
+    verl 0.9.1 (``compute_spec_decode_metrics``) takes per request the engine's drafted tokens d,
+    accepted draft tokens a and verification steps v and logs the unweighted means over requests of
+    ``spec_accept_rate = a / d`` and ``spec_accept_length = 1 + a / v``: the length counts the
+    target's own (bonus or correcting) token of every step. ``mtp/accept_len`` (N drafts) or
+    ``mtp_1/accept`` (one) is the trainer's expected a / v, so the prediction is
+    ``mtp/predicted_spec_accept_length = 1 + that`` and, with d = draft_tokens * v,
+    ``mtp/predicted_spec_accept_rate = that / draft_tokens``; ``mtp/accept_len_gap`` and
+    ``mtp/accept_rate_gap`` are engine minus prediction. A draft the engine holds that is not the
+    trainer's (stale, mis-synced) shows as a gap beyond sampling noise. The trainer's figures are
+    teacher-forced and token-weighted over its positions, the engine's per request over its steps,
+    so on the same policy and draft they agree up to noise (exactly in expectation at one draft
+    token; depth k >= 2 of a chain reads its own drafts in the engine, the data's in the trainer).
+    Without the engine's figures (speculative rollout off) only the trainer's are returned.
+    """
+    metrics = trainer.metrics(reset=False) if isinstance(trainer, MTPHooks) else trainer
+    if not isinstance(metrics, Mapping):
+        raise bad_argument("trainer", "MTPHooks or the dict of their metrics()", describe(trainer))
+    depth = sum(1 for key in metrics if key.startswith("mtp_") and key.endswith("/tokens"))
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens not in {1, depth}:
+        raise bad_argument("draft_tokens", f"1 or the trainer's MTP depth {depth} (the drafts per verification step)", describe(draft_tokens))
+    key = "mtp_1/accept" if draft_tokens == 1 else "mtp/accept_len"
+    if key not in metrics:
+        raise bad_argument("trainer", f"metrics with {key!r} (attach with agreement_metrics=True or a draft objective; a step with targets)", sorted(metrics))
+    out = {k: float(v) for k, v in metrics.items() if k.endswith("/accept") or k == "mtp/accept_len"}
+    accepted = float(metrics[key])
+    out["mtp/predicted_spec_accept_length"] = 1.0 + accepted
+    out["mtp/predicted_spec_accept_rate"] = accepted / draft_tokens
+    present = [name in engine for name in (ENGINE_ACCEPT_RATE, ENGINE_ACCEPT_LENGTH)]
+    if not any(present):
+        return out
+    if not all(present):
+        raise bad_argument("engine", f"verl's metrics with both {ENGINE_ACCEPT_RATE!r} and {ENGINE_ACCEPT_LENGTH!r}", sorted(engine))
+    rate, length = float(engine[ENGINE_ACCEPT_RATE]), float(engine[ENGINE_ACCEPT_LENGTH])
+    out[ENGINE_ACCEPT_RATE], out[ENGINE_ACCEPT_LENGTH] = rate, length
+    out["mtp/accept_rate_gap"] = rate - out["mtp/predicted_spec_accept_rate"]
+    out["mtp/accept_len_gap"] = length - out["mtp/predicted_spec_accept_length"]
+    return out
