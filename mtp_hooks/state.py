@@ -54,6 +54,7 @@ class ForwardState:
     exception: Optional[BaseException]  # ``sys.exc_info()[1]`` when the forward started
     targets: Optional[MicroBatch] = None
     packed_seq_params: Any = None
+    packed_layout: Any = None  # ``targets.packed_layout`` of ``packed_seq_params``, read once (MTP block pre-hook)
     input_ids: Any = None
     recompute: bool = False  # a backward-time recompute of a completed training forward
     window: Optional[Originals] = None  # set while the model is not stock
