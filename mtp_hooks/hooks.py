@@ -46,7 +46,7 @@ class MicroBatchTargets:
         return self._hooks
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks._hooks.disarm(self._targets)
+        self._hooks._hooks.disarm(self._targets, completed=exc[0] is None)
 
 
 class MTPHooks:

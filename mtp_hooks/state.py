@@ -30,8 +30,10 @@ class MicroBatch:
     labels: Tensor
     loss_mask: Optional[Tensor]
     loss_scale: Any = None  # multiplier of this micro-batch's MTP loss (float or 0-d tensor), None = 1
-    used: bool = False
+    used: bool = False  # a training forward (or a checkpointed one, see ``recompute``) took them
     entered: bool = False  # ``with`` entered: the only way targets reach a forward
+    seen: bool = False  # a grad-disabled forward of the model ran inside the block
+    scored: bool = False  # ... and scored them (``output="logprobs"``)
     thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
 
 
