@@ -132,7 +132,7 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
         args, labels = arguments.take(args, kwargs, "labels")
         args, loss_mask = arguments.take(args, kwargs, "loss_mask")
         grad = torch.is_grad_enabled()
-        state.input_ids = input_ids = arguments.get(args, kwargs, "input_ids")
+        input_ids = arguments.get(args, kwargs, "input_ids")
         targets, bound, regions = self.targets_of_forward(labels, loss_mask, input_ids, grad)
         state.recompute = bound is not None and bound.trained
         if targets is not None:

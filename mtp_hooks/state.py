@@ -57,8 +57,7 @@ class ForwardState:
     targets: Optional[MicroBatch] = None
     packed_seq_params: Any = None
     packed_layout: Any = None  # ``targets.packed_layout`` of ``packed_seq_params``, read once (MTP block pre-hook)
-    input_ids: Any = None
-    recompute: bool = False  # a backward-time recompute of a completed training forward
+    recompute: bool = False  # a checkpoint recompute of a forward that trained (and was counted) already
     window: Optional[Originals] = None  # set while the model is not stock
     main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
