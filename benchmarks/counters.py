@@ -12,9 +12,9 @@ them and one run per variant and shape is enough:
   when the storage dies; its peak is what ``torch.cuda.max_memory_allocated`` would report above the
   memory live before the call, without the allocator's rounding, caching or fragmentation.
 * ``HostSyncs``: a dispatch mode counting the ops that make the host wait for the device:
-  ``_local_scalar_dense`` (``.item()``, ``bool()``, ``int()``), ``is_nonzero``, ``nonzero``, ``item``
-  and copies from a device to the host. It sees the aten ops the Python code dispatches. It cannot see a
-  sync made *inside* one op's kernel (e.g. a C++ kernel reading a device value into a host size, as
+  ``_local_scalar_dense`` (``.item()``, ``bool()``, ``int()``), ``is_nonzero``, ``nonzero``, ``item``,
+  ``equal`` (``torch.equal``) and copies from a device to the host. It sees the aten ops the Python
+  code dispatches. It cannot see a sync made *inside* one op's kernel (e.g. a C++ kernel reading a device value into a host size, as
   ``masked_select`` or ``repeat_interleave`` without ``output_size`` do on CUDA), nor
   ``torch.cuda.synchronize()`` / stream or event waits (not aten ops): those it reports as 0.
 * ``HostReads``: a function mode counting the Python calls that read tensor values on the host
@@ -43,8 +43,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 T = TypeVar("T")
 
-# Ops whose result the host must read back before it can go on.
-SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::item"})
+# Ops whose result the host must read back before it can go on (``equal`` returns a host bool).
+SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::item", "aten::equal"})
 # Copies that make the host wait when they go from a device to the host.
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_"})
 
@@ -157,7 +157,7 @@ class _ByOp:
 
 class HostSyncs(_ByOp, TorchDispatchMode):
     """Counts host syncs: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``is_nonzero``,
-    ``nonzero``, ``item``, and copies from a device to the host. ``by_op`` says which."""
+    ``nonzero``, ``item``, ``equal``, and copies from a device to the host. ``by_op`` says which."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = func._schema.name

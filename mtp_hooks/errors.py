@@ -48,6 +48,21 @@ def not_entered() -> MTPHooksStateError:
     )
 
 
+def unused_targets(seen: bool) -> str:
+    """The warning for a ``micro_batch`` block that ended with targets no forward used."""
+    what = (
+        "every forward of the model inside it ran with gradients disabled (torch.no_grad / torch.inference_mode), "
+        "which makes it an inference micro-batch"
+        if seen
+        else "no forward of the model ran inside it on this thread"
+    )
+    return (
+        f"mtp_hooks: a micro_batch block ended and its targets trained nothing: {what}. To train MTP on "
+        "them, run the model's training forward (gradients enabled) inside the `with` block; for an "
+        "inference pass on purpose, call the model outside micro_batch. (Shown once per attached model.)"
+    )
+
+
 def describe(value: Any) -> str:
     """Short description of a value for error messages (tensors by dtype and shape)."""
     shape = getattr(value, "shape", None)

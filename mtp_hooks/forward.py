@@ -3,8 +3,9 @@
 A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
 
 1. model pre-hook (``on_model_pre``): takes the model's lock (one forward at a time, one thread),
-   takes ``labels`` / ``loss_mask`` out of the call (or the ``micro_batch`` targets) so mcore
-   returns logits, and decides training or inference. It changes nothing on the model.
+   takes ``labels`` / ``loss_mask`` out of the call so mcore returns logits, picks the forward's
+   targets (``forward_targets``: the call's, the ``micro_batch`` block's, or a checkpoint
+   recompute's) and decides training or inference. It changes nothing on the model.
 2. decoder forward hook (``on_decoder_post``, kept last): an inference forward opens the window
    (``state``): ``mtp_process = False``, so the MTP block does not run.
 3. MTP block pre-hook: packed batches get the padded layout; MTP layer pre-hooks
@@ -18,7 +19,9 @@ A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
    window if a fault left it open and returns the log-prob output; ``on_model_done``, kept last,
    counts the forward's metrics only if the forward and every hook before it completed, and
    releases the lock.
-Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks: ``copies``.
+Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks: ``copies``. A forward
+inside ``torch.utils.checkpoint`` binds its targets to that checkpoint call, and its recompute in
+backward takes them from there: ``recompute``.
 """
 
 from __future__ import annotations
@@ -29,22 +32,24 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
-from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale, check_targets
+from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale
 from mtp_hooks.copies import CopyableHooks
-from mtp_hooks.errors import bad_argument, bad_state, not_entered, other_thread
+from mtp_hooks.errors import bad_argument, bad_state, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
 from mtp_hooks.proxies import config_view
+from mtp_hooks.forward_targets import ForwardTargets
+from mtp_hooks.recompute import BoundTargets
 from mtp_hooks.state import ForwardState, MicroBatch, Originals
 from mtp_hooks.submodule_hooks import SubmoduleHooks
 
 
-class ForwardHooks(SubmoduleHooks, CopyableHooks):
+class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
     """The hooks of one language model and the state they share between and within forwards."""
 
     def __init__(self, model: nn.Module, options: Options) -> None:
@@ -54,6 +59,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         self.loss_path: Optional[str] = None  # of the last completed training forward
         self._arguments = CallArguments(model)
         self._last: dict[str, int] = {}  # hooks kept first / last in their dicts, by handle id
+        self._warned_unused = False  # ``disarm`` warns once
         self._bind(model, model.config, bool(model.mtp_process))
 
     def _bind(self, model: nn.Module, config: Any, mtp_process: bool) -> None:
@@ -65,7 +71,7 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         self._lock = threading.Lock()  # held from a forward's pre-hook to its post-hook
         self._recovering = threading.Lock()
         self._refused = 0  # nested calls refused on the owning thread whose post-hook is pending
-        self._last_training: Optional[tuple[Any, ...]] = None  # weak refs, for checkpoint recomputes
+        self._bound = BoundTargets()  # targets of checkpointed forwards, for their recomputes
 
     @property
     def alive_model(self) -> Optional[nn.Module]:
@@ -118,62 +124,6 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             if edge != hook_id:
                 hooks.move_to_end(hook_id, last=last)
 
-    # ------------------------------------------------------------ micro-batch targets
-    def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any = None) -> MicroBatch:
-        """Make ``labels`` / ``loss_mask`` the targets of this thread's ``with micro_batch`` block."""
-        self.recover_abandoned()
-        pending = self.pending
-        if pending is not None and pending.thread != threading.get_ident():
-            raise other_thread("micro_batch", "a micro_batch")
-        if pending is not None and not pending.entered:
-            self.pending = None
-            raise not_entered()
-        if pending is not None:
-            raise bad_state("micro_batch", "no micro_batch already open on these hooks", "a nested micro_batch")
-        check_targets(labels, loss_mask, self.options.validate)
-        self.pending = MicroBatch(labels, loss_mask, check_loss_scale("loss_scale", loss_scale))
-        return self.pending
-
-    def disarm(self, targets: MicroBatch) -> None:
-        """Drop ``targets`` if they are still the armed ones."""
-        if self.pending is targets:
-            self.pending = None
-
-    def _targets_for_call(self, labels: Any, loss_mask: Any, input_ids: Any, grad: bool) -> Optional[MicroBatch]:
-        pending = self.pending
-        if pending is not None and pending.thread != threading.get_ident():
-            pending = None  # another thread's block: never this forward's
-        if pending is not None and not pending.entered:
-            self.pending = None
-            raise not_entered()
-        if labels is None and loss_mask is None:
-            if pending is None:
-                return None
-            if grad:  # a grad-disabled forward inside the block is inference: it leaves the targets
-                if pending.used:
-                    raise bad_state("model", "one training forward per micro_batch", "a second training forward inside the same micro_batch")
-                pending.used = True
-            return pending
-        if pending is not None:
-            raise bad_argument("labels", "labels either in micro_batch(...) or as model(..., labels=...), not both", "both")
-        if labels is None:
-            raise bad_argument("labels", "a [b, s] integer tensor when loss_mask is given", None)
-        if isinstance(labels, Tensor) and labels.dim() == 2:
-            check_against_inputs(labels, input_ids)
-        check_targets(labels, loss_mask, self.options.validate)
-        return MicroBatch(labels, loss_mask)
-
-    def _recompute_targets(self, input_ids: Any) -> Optional[MicroBatch]:
-        """The targets of the completed training forward that a backward-time recompute
-        (``torch.utils.checkpoint``) of the same call repeats, matched by its ``input_ids``."""
-        last = self._last_training
-        if last is None or torch._C._current_graph_task_id() == -1 or last[0]() is not input_ids:
-            return None
-        labels, loss_mask = last[1](), None if last[2] is None else last[2]()
-        if labels is None or (last[2] is not None and loss_mask is None):
-            return None
-        return MicroBatch(labels, loss_mask, last[3], used=True)
-
     # --------------------------------------------------------------------- the hooks
     def on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not self._lock.acquire(blocking=False):
@@ -184,11 +134,9 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         args, labels = arguments.take(args, kwargs, "labels")
         args, loss_mask = arguments.take(args, kwargs, "loss_mask")
         grad = torch.is_grad_enabled()
-        state.input_ids = input_ids = arguments.get(args, kwargs, "input_ids")
-        targets = self._targets_for_call(labels, loss_mask, input_ids, grad)
-        if targets is None and grad:
-            targets = self._recompute_targets(input_ids)
-            state.recompute = targets is not None
+        input_ids = arguments.get(args, kwargs, "input_ids")
+        targets, bound, regions = self.targets_of_forward(labels, loss_mask, input_ids, grad)
+        state.recompute = bound is not None and bound.trained
         if targets is not None:
             check_against_inputs(targets.labels, input_ids)
         train = targets is not None and grad and model.post_process
@@ -197,16 +145,19 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
             raise bad_argument("output_processor", "None in a training micro-batch (mtp_hooks needs the output layer call)", "a processor")
         state.targets = targets if train else None
         state.packed_seq_params = arguments.get(args, kwargs, "packed_seq_params")
-        if train:
-            state.loss_scale = self._loss_scale(targets, args, kwargs)
+        if targets is not None and (train or regions.forward):
+            state.loss_scale = targets.loss_scale if bound is not None else self._loss_scale(targets, args, kwargs)
         logprobs = self.options.output == "logprobs"
         vocab_size = getattr(model, "vocab_size", None)
-        if vocab_size is not None and targets is not None and (train or logprobs):
+        if vocab_size is not None and targets is not None and bound is None and (train or logprobs):
             check_label_range(targets.labels, targets.loss_mask, vocab_size, self.options.validate)
         if logprobs and model.post_process:
             if targets is None:
                 raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
             state.head_labels = targets.labels
+            if targets is self.pending:
+                targets.scored = True
+        self.bind_for_recomputes(regions, targets, state.loss_scale, train)
         return args, kwargs
 
     def _loss_scale(self, targets: MicroBatch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -272,17 +223,8 @@ class ForwardHooks(SubmoduleHooks, CopyableHooks):
         return None
 
     def _count(self, model: nn.Module, state: ForwardState) -> None:
-        """Add a completed training forward's metrics and remember it for checkpoint recomputes."""
-        assert state.targets is not None
+        """Add a completed training forward's metrics."""
         self.loss_path = state.loss_path
-        mask = state.targets.loss_mask
-        ids = state.input_ids
-        self._last_training = (
-            weakref.ref(ids) if isinstance(ids, Tensor) else lambda: None,
-            weakref.ref(state.targets.labels),
-            None if mask is None else weakref.ref(mask),
-            state.targets.loss_scale,
-        )
         for entry in state.metrics:
             self.metrics.add(*entry)
             if model.training:  # stock mcore tracks only in training mode

@@ -29,7 +29,7 @@ from mtp_hooks.main_grad import follows_main_grad_protocol
 from mtp_hooks.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
 from mtp_hooks.stock_head import reproducible_head
-from mtp_hooks.targets import align_with_depths, mtp_targets
+from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
 # (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance,
 #  chained acceptance of depths 1..k and its positions (``chain_sums``)])
@@ -81,6 +81,7 @@ def attach_mtp_losses(
     packed_seq_params: Any,
     call_head: HeadCall,
     micro_batch_scale: Any = None,
+    packed_layout: Any = None,
 ) -> tuple[Tensor, list[DepthSums], str]:
     """Hang every depth's MTP loss on the main chunk of ``block_output`` ``[(1+N)s, b, h]``, N = ``depth``.
 
@@ -89,11 +90,13 @@ def attach_mtp_losses(
     when they must not train it). Normalisation follows the installed mcore release
     (``_mcore.depth_coefficient``) unless ``options.per_token_rescale`` picks a rule;
     ``micro_batch_scale`` (a float or 0-d tensor, ``None`` = 1) multiplies the total weight.
-    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one. An output
-    layer whose call the lean path does not reproduce (``stock_head.reproducible_head``: its own
-    ``forward``, TE's layer, foreign hooks) takes the dense path: stock's MTP heads call the output
-    layer, so what it does (soft-capping, adapters, monitors) acts on them, and only a real call
-    reproduces that; the draft objectives and agreement metrics, lean only, are refused there.
+    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one, by
+    ``packed_layout`` (the MTP block's ``targets.packed_layout``, computed once per forward) when
+    given. An output layer whose call the lean path does not reproduce
+    (``stock_head.reproducible_head``: its own ``forward``, TE's layer, foreign hooks) takes the
+    dense path: stock's MTP heads call the output layer, so what it does (soft-capping, adapters,
+    monitors) acts on them, and only a real call reproduces that; the draft objectives and
+    agreement metrics, lean only, are refused there.
     """
     chunks = split_block_output(block_output, depth)
     loss_scale: Any = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
@@ -101,7 +104,8 @@ def attach_mtp_losses(
         loss_scale = loss_scale * micro_batch_scale
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
     cp_group = _mcore.cp_group_of(model, packed_seq_params)
-    targets = mtp_targets(labels, loss_mask, depth, packed_seq_params=packed_seq_params, cp_group=cp_group, validate=options.validate)
+    layout = roll_layout(packed_seq_params, cp_group, packed_layout)
+    targets = rolled_targets(labels, loss_mask, depth, packed_seq_params, cp_group, options.validate, layout)
     # A count made on the device, not a tensor built from a host value (a blocking copy on a GPU).
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
@@ -127,7 +131,7 @@ def attach_mtp_losses(
     coefs = [_mcore.depth_coefficient(*rule, n, options.per_token_rescale) for n in tokens]
     teachers = None
     if options.compares_with_main_head:
-        teachers = _main_head_inputs(layer, chunks[0], depth, packed_seq_params, cp_group)
+        teachers = _main_head_inputs(layer, chunks[0], depth, layout, cp_group)
     objective, sums, path = _lean_loss(options, layer, block_output[chunks[0].shape[0] :], chunks, weight, targets, tokens, coefs, teachers)
     return _mcore.MTPLossAutoScaler.apply(chunks[0], objective), sums, path
 
@@ -215,13 +219,13 @@ def chain_sums(accept: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
     return (accept.cumprod(dim=0) * chain).sum(dim=1), chain.sum(dim=1)
 
 
-def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, packed_seq_params: Any, cp_group: Any) -> list[Tensor]:
+def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, layout: Any, cp_group: Any) -> list[Tensor]:
     """Per depth k, the main head's (detached, SP-gathered) input at position t + k, for the
     draft objectives and agreement metrics (``targets.align_with_depths``)."""
     with torch.no_grad():
         if getattr(layer, "sequence_parallel", False):
             main = gather_from_sequence_parallel_region(main, group=_mcore.tp_group_of(layer))
-        return align_with_depths(main, depth, packed_seq_params=packed_seq_params, cp_group=cp_group)
+        return align_with_depths(main, depth, layout=layout, cp_group=cp_group)
 
 
 def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:

@@ -46,7 +46,7 @@ class MicroBatchTargets:
         return self._hooks
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks._hooks.disarm(self._targets)
+        self._hooks._hooks.disarm(self._targets, completed=exc[0] is None)
 
 
 class MTPHooks:
@@ -281,8 +281,8 @@ def attach(
 
     One forward at a time per model (a lock): a forward from a second thread while one is in
     flight, or a ``micro_batch`` while another thread's is open, raises ``MTPHooksStateError``.
-    Separate models may run in separate threads. ``copy.deepcopy`` of the model gives a copy with
-    its own hooks.
+    Separate models may run in separate threads. ``copy.deepcopy`` of the model (with a memo
+    sharing its process groups, as a stock mcore model needs) gives a copy with its own hooks.
     """
     language_model = find_language_model(model)
     check_model(language_model)

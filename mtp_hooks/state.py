@@ -30,8 +30,10 @@ class MicroBatch:
     labels: Tensor
     loss_mask: Optional[Tensor]
     loss_scale: Any = None  # multiplier of this micro-batch's MTP loss (float or 0-d tensor), None = 1
-    used: bool = False
+    used: bool = False  # a training forward (or a checkpointed one, see ``recompute``) took them
     entered: bool = False  # ``with`` entered: the only way targets reach a forward
+    seen: bool = False  # a grad-disabled forward of the model ran inside the block
+    scored: bool = False  # ... and scored them (``output="logprobs"``)
     thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
 
 
@@ -54,8 +56,8 @@ class ForwardState:
     exception: Optional[BaseException]  # ``sys.exc_info()[1]`` when the forward started
     targets: Optional[MicroBatch] = None
     packed_seq_params: Any = None
-    input_ids: Any = None
-    recompute: bool = False  # a backward-time recompute of a completed training forward
+    packed_layout: Any = None  # ``targets.packed_layout`` of ``packed_seq_params``, read once (MTP block pre-hook)
+    recompute: bool = False  # a checkpoint recompute of a forward that trained (and was counted) already
     window: Optional[Originals] = None  # set while the model is not stock
     main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity

@@ -122,6 +122,7 @@ class SubmoduleHooks:
                 state.packed_seq_params,
                 lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
                 state.loss_scale,
+                state.packed_layout,
             )
             state.attached = True
         elif state.head_labels is None:
@@ -180,7 +181,7 @@ class SubmoduleHooks:
             # (TypeError): the MTP layers run without recompute for this block call (same gradients).
             for layer in block.layers:
                 state.swap(layer, "config", config_view(layer.config, lambda: True, "recompute_granularity"))
-        layout = packed_layout(packed)
+        state.packed_layout = layout = packed_layout(packed)  # once per forward: the targets roll by it too
         if layout is packed:
             return None
         kwargs["packed_seq_params"] = layout

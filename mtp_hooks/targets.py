@@ -80,12 +80,24 @@ def mtp_targets(
         raise bad_argument("labels", "a [b, s] integer tensor", describe(labels))
     if loss_mask is not None and (not isinstance(loss_mask, Tensor) or loss_mask.shape != labels.shape):
         raise bad_argument("loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask))
+    return rolled_targets(labels, loss_mask, depth, packed_seq_params, cp_group, validate, roll_layout(packed_seq_params, cp_group))
+
+
+def rolled_targets(
+    labels: Tensor,
+    loss_mask: Optional[Tensor],
+    depth: int,
+    packed_seq_params: Any,
+    cp_group: Optional[torch.distributed.ProcessGroup],
+    validate: Validate,
+    layout: Any,
+) -> list[tuple[Tensor, Tensor]]:
+    """``mtp_targets`` of checked arguments, rolled by ``layout`` (``roll_layout`` of the same
+    ``packed_seq_params`` and ``cp_group``), which the hooks compute once per forward."""
+    if packed_seq_params is not None and labels.shape[0] != 1:
+        raise bad_argument("labels", "[1, t] for packed sequences (THD: batch 1, tokens along dim 1)", describe(labels))
     mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_mask is None else loss_mask.float()
-    layout = None
     if packed_seq_params is not None:
-        if labels.shape[0] != 1:
-            raise bad_argument("labels", "[1, t] for packed sequences (THD: batch 1, tokens along dim 1)", describe(labels))
-        layout = _without_empty_slots(packed_layout(packed_seq_params), cp_group)
         mask = mask * _real_tokens(packed_seq_params, labels.shape[1], cp_group, labels.device, validate)
     out = []
     for _ in range(depth):
@@ -99,7 +111,7 @@ def align_with_depths(
     hidden: Tensor,
     depth: int,
     *,
-    packed_seq_params: Any = None,
+    layout: Any = None,
     cp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> list[Tensor]:
     """The main head's input seen from each MTP depth: ``hidden`` ``[s, b, h]`` rolled left ``k``
@@ -108,15 +120,22 @@ def align_with_depths(
     Row ``t`` of entry ``k - 1`` is ``hidden[t + k]``, the position whose main-head prediction
     targets the same token as depth ``k`` at ``t`` (zero where ``t + k`` leaves the sequence;
     those positions have ``mask_k == 0`` in ``mtp_targets``). Same sequences, padding and CP
-    exchange as ``mtp_targets``; the result is detached.
+    exchange as ``mtp_targets``, given the same ``layout`` (``roll_layout``); the result is detached.
     """
-    layout = None if packed_seq_params is None else _without_empty_slots(packed_layout(packed_seq_params), cp_group)
     rolled = hidden.detach().permute(1, 2, 0)  # [b, h, s]: mcore rolls the last dim
     out = []
     for _ in range(depth):
         rolled, _sum = _mcore.roll_left(rolled, cp_group, layout)
         out.append(rolled.permute(2, 0, 1))
     return out
+
+
+def roll_layout(packed_seq_params: Any, cp_group: Any, padded: Any = None) -> Any:
+    """The layout the targets roll by: ``padded`` (``packed_layout(packed_seq_params)``, computed
+    here when ``None``) less the empty slots mcore's CP roll cannot index; ``None`` if not packed."""
+    if packed_seq_params is None:
+        return None
+    return _without_empty_slots(packed_layout(packed_seq_params) if padded is None else padded, cp_group)
 
 
 def packed_layout(packed_seq_params: Any) -> Any:
@@ -126,7 +145,8 @@ def packed_layout(packed_seq_params: Any) -> Any:
     ``cu_seqlens_q`` as the layout of the packed row. Returns the argument itself when it has no
     distinct padded layout; otherwise a copy with the padded bounds (and ``max_seqlen`` covering
     them). Real tokens precede the padding of each slot, so causal attention over a whole slot
-    gives the real tokens the same result.
+    gives the real tokens the same result. A distinct ``cu_seqlens_q_padded`` costs one host read
+    (whether it differs, and its widest slot, read together); the hooks call this once per forward.
     """
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     unpadded = packed_seq_params.cu_seqlens_q
@@ -136,10 +156,13 @@ def packed_layout(packed_seq_params: Any) -> Any:
         raise bad_argument(
             "packed_seq_params", "cu_seqlens_q_padded shaped like cu_seqlens_q", f"{tuple(padded.shape)} and {tuple(unpadded.shape)}"
         )
-    if torch.equal(padded, unpadded.to(padded.device)):
+    differs = (padded != unpadded.to(padded.device)).any()
+    widest = (padded[1:] - padded[:-1]).max() if padded.numel() > 1 else padded.new_zeros(())
+    differ_read, widest_read = torch.stack([differs.to(widest.dtype), widest]).tolist()  # the one host read
+    if not differ_read:
         return packed_seq_params
     kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
-    widest = int((padded[1:] - padded[:-1]).max()) if padded.numel() > 1 else 0
+    widest = int(widest_read)
     return dataclasses.replace(
         packed_seq_params,
         cu_seqlens_q=padded,

@@ -199,3 +199,24 @@ def test_pickled_hooks_are_rebound_to_the_unpickled_model() -> None:
     clone.__setstate__(dict(state))
     assert clone.alive_model is model and clone.forward is None and clone.pending is None
     assert clone._lock is not inner._lock and not clone._lock.locked()
+
+
+def test_deepcopy_without_a_memo_fails_exactly_as_for_a_stock_twin() -> None:
+    """mcore's modules hold ``ProcessGroup``s (directly and in ``pg_collection``s), which do not
+    copy: a plain ``copy.deepcopy`` of a stock model raises, and of a hooked one the same. The
+    README's recipe, a memo sharing every group (``deep_copy``), copies both; the failed copy
+    leaves the original hooked and training like stock."""
+    stock, model = SHAPE.build(7), SHAPE.build(7)
+    hooks = mtp_hooks.attach(model)
+
+    def error_of(m: nn.Module) -> str:
+        try:
+            copy.deepcopy(m)
+        except Exception as error:  # noqa: BLE001 - compared, not handled
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    assert error_of(model) == error_of(stock) and "ProcessGroup" in error_of(stock)
+    assert mtp_hooks.hooks_of(model) is hooks and hooks._hooks.forward is None
+    assert mtp_hooks.hooks_of(deep_copy(stock)) is None and mtp_hooks.hooks_of(deep_copy(model)) is not None
+    assert_trains_like_stock(model, hooks, seed=6)

@@ -7,7 +7,7 @@ host-to-device copy each on a GPU).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch
 import mtp_hooks
 from benchmarks.counters import HostReads, HostSyncs, HostToDevice
 from mtp_hooks import _mcore
-from tests.mcore_cpu import TinyGPT, hooked_train_step, main_ce_from_logits, make_batch, masked_mean
+from tests.mcore_cpu import Batch, TinyGPT, hooked_train_step, main_ce_from_logits, make_batch, masked_mean, thd_params
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)
@@ -152,3 +152,55 @@ def test_packed_targets_make_no_host_sync_of_their_own() -> None:
                 rolled, _sum = _mcore.roll_left(rolled, None, params)
     assert all_syncs.count == roll_syncs.count, (dict(all_syncs.by_op), dict(roll_syncs.by_op))
     assert all_reads.by_op == roll_reads.by_op, (dict(all_reads.by_op), dict(roll_reads.by_op))
+
+
+def padded_packed_batch() -> tuple[Batch, Any, Any]:
+    """One THD row of sequences of 5, 2 and 6 real tokens in slots of 8, 4 and 8: the batch, the
+    caller's params (``cu_seqlens_q_padded`` distinct) and the slot layout stock is given."""
+    real, slot = [5, 2, 6], [8, 4, 8]
+    gen = torch.Generator().manual_seed(11)
+    ids, positions, labels = (torch.zeros(1, sum(slot), dtype=torch.long) for _ in range(3))
+    loss_mask, start = torch.zeros(1, sum(slot)), 0
+    for n, size in zip(real, slot):
+        tokens = torch.randint(0, VOCAB, (n,), generator=gen)
+        ids[0, start : start + n] = tokens
+        positions[0, start : start + size] = torch.arange(size)
+        labels[0, start : start + n - 1] = tokens[1:]
+        loss_mask[0, start : start + n - 1] = 1.0
+        start += size
+    return (Batch(ids, positions, labels, loss_mask), *thd_params(real, slot))
+
+
+def host_reads(syncs: HostSyncs, reads: HostReads) -> int:
+    """Host reads of values as a GPU would sync on them: the ops ``HostSyncs`` sees, plus ``tolist``,
+    which dispatches no op on CPU (``int()`` / ``item()`` / ``bool()`` dispatch one, already counted)."""
+    return syncs.count + reads.by_op["tolist"]
+
+
+def packed_step_reads(model: torch.nn.Module, hooks: Optional[mtp_hooks.MTPHooks], batch: Batch, params: Any) -> int:
+    """``host_reads`` of one packed training micro-batch, forward and backward (stock: ``hooks=None``)."""
+    with HostSyncs() as syncs, HostReads() as reads:
+        if hooks is None:
+            per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=params)
+        else:
+            with hooks.micro_batch(batch.labels, batch.loss_mask):
+                per_token = main_ce_from_logits(model(*batch.model_args, packed_seq_params=params), batch.labels)
+        masked_mean(per_token, batch.loss_mask).backward()
+    return host_reads(syncs, reads)
+
+
+@pytest.mark.skipif(not _mcore.ROLLS_PACKED_SEQUENCES, reason="megatron-core < 0.16.1 refuses MTP with packed sequences")
+@pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}, {"agreement_metrics": True}], ids=["lean", "dense", "agreement"])
+def test_padded_packed_micro_batch_reads_the_host_once_more_than_stock(options: dict[str, Any]) -> None:
+    """A distinct ``cu_seqlens_q_padded`` is read once per forward (whether it differs and its widest
+    slot, together; README, Contract): the MTP layers and the targets share that layout. Against the
+    same hooks given the slot layout itself (no distinct padded bounds), and against stock given it
+    (agreement metrics roll the main head's input too, with mcore's rolls: stock has no such work)."""
+    batch, given, layout = padded_packed_batch()
+    hooked = SHAPE.build()
+    hooks = mtp_hooks.attach(hooked, **options)
+    padded = packed_step_reads(hooked, hooks, batch, given)
+    assert padded - packed_step_reads(hooked, hooks, batch, layout) == 1
+    if not options.get("agreement_metrics"):
+        assert padded - packed_step_reads(SHAPE.build(), None, batch, layout) == 1
+    assert hooks.metrics()["mtp_1/tokens"] > 0
