@@ -11,9 +11,10 @@ Tokenizer: a byte-level BPE trained here with the ``tokenizers`` library on the 
 cached under ``bench-out/`` by corpus and vocabulary size.
 
 Prompts are the first tokens of held-out function definitions (from the line's indentation on).
-Reward, verifiable on the generated code: the function's complete lines (prompt + completion, up to
-the first line that leaves the function's body) must parse with ``ast`` (0 otherwise), and then
-``0.5 + 0.5 * the share of its string literals written with double quotes`` (none: 0). The standard
+Reward, verifiable on the generated code, from the function's complete lines (prompt + completion,
+up to the first line that leaves the function's body): ``0.5`` if they parse with ``ast``, plus
+``0.5 * the share of their string literals written with double quotes`` (none: 0; code that does
+not tokenize to its end counts the literals before the error). The standard
 library writes about three quarters of its one-line string literals with single quotes, so the
 pretrained model rarely follows the rule: RL has to move it.
 """
@@ -138,7 +139,7 @@ def quote_share(code: str) -> float:
                 total += 1
                 double += body.startswith('"')
     except (pytokenize.TokenError, SyntaxError):
-        return 0.0
+        pass  # count the literals before the error
     return double / total if total else 0.0
 
 
@@ -150,7 +151,7 @@ def score(text: str) -> tuple[bool, float]:
     try:
         ast.parse(code)
     except (SyntaxError, ValueError):
-        return False, 0.0
+        return False, quote_share(code)
     return True, quote_share(code)
 
 
@@ -239,12 +240,11 @@ class CodeTask:
         return [score(text) for text in self.tokenizer.decode_batch(tokens.tolist(), skip_special_tokens=False)]
 
     def reward(self, tokens: Tensor, prompt: int) -> Tensor:
-        return torch.tensor([0.5 + 0.5 * share if ok else 0.0 for ok, share in self._scores(tokens)])
+        return torch.tensor([0.5 * ok + 0.5 * share for ok, share in self._scores(tokens)])
 
     def describe(self, tokens: Tensor, prompt: int) -> dict[str, float]:
         scores = self._scores(tokens)
-        parsed = [share for ok, share in scores if ok]
-        return {"parses": len(parsed) / len(scores), "double_quotes": sum(parsed) / len(parsed) if parsed else float("nan")}
+        return {"parses": sum(ok for ok, _ in scores) / len(scores), "double_quotes": sum(share for _, share in scores) / len(scores)}
 
     def examples(self, tokens: Tensor) -> list[Any]:
         return self.tokenizer.decode_batch(tokens.tolist(), skip_special_tokens=False)

@@ -59,9 +59,9 @@ class Setting:
 
 
 _CODE = Setting(
-    task="code", hidden=128, layers=4, heads=4, vocab=4096, seq=48, prompt=16, sft_seq=64, sft_batch=16,
-    sft_min_steps=150, sft_max_steps=300, sft_window=50, sft_tolerance=0.01, sft_lr=2e-3, files=160,
-    rl_steps=12, prompts=4, group=4, rl_lr=1e-3, eval_every=6, eval_rollouts=24, temperatures=(1.0, 0.7),
+    task="code", hidden=128, layers=4, heads=4, vocab=4096, seq=36, prompt=12, sft_seq=48, sft_batch=16,
+    sft_min_steps=100, sft_max_steps=120, sft_window=40, sft_tolerance=0.01, sft_lr=2e-3, files=120,
+    rl_steps=8, prompts=4, group=4, rl_lr=1e-3, eval_every=8, eval_rollouts=8, temperatures=(1.0, 0.7),
     variants=CODE_VARIANTS, position_embedding="rope",
 )
 SETTINGS: dict[str, dict[str, Setting]] = {
@@ -72,8 +72,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "code": {
         "quick": _CODE,
-        "full": dataclasses.replace(_CODE, vocab=8192, seq=64, sft_seq=128, sft_min_steps=600, sft_max_steps=3000, sft_window=100,
-                                    files=None, rl_steps=40, prompts=8, group=4, eval_every=10, eval_rollouts=48),
+        "full": dataclasses.replace(_CODE, vocab=8192, seq=64, prompt=16, sft_seq=128, sft_min_steps=600, sft_max_steps=3000,
+                                    sft_window=100, files=None, rl_steps=40, prompts=8, group=4, eval_every=10, eval_rollouts=32),
         "gpu": dataclasses.replace(_CODE, vocab=32768, hidden=512, layers=8, heads=8, seq=160, prompt=32, sft_seq=512, sft_batch=32,
                                    sft_min_steps=1000, sft_max_steps=10000, sft_window=200, sft_lr=1e-3, held_out_windows=256, files=None,
                                    rl_steps=100, prompts=16, group=8, eval_every=20, eval_rollouts=128, device="cuda"),
