@@ -27,6 +27,7 @@ import io
 import re
 import sysconfig
 import tokenize as pytokenize
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -149,7 +150,9 @@ def score(text: str) -> tuple[bool, float]:
     if code is None:
         return False, 0.0
     try:
-        ast.parse(code)
+        with warnings.catch_warnings():  # generated code: invalid escapes and the like are not news
+            warnings.simplefilter("ignore")
+            ast.parse(code)
     except (SyntaxError, ValueError):
         return False, quote_share(code)
     return True, quote_share(code)
