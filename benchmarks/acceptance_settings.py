@@ -72,8 +72,10 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "code": {
         "quick": _CODE,
-        "full": dataclasses.replace(_CODE, vocab=8192, seq=64, prompt=16, sft_seq=128, sft_min_steps=600, sft_max_steps=3000,
-                                    sft_window=100, files=None, rl_steps=40, prompts=8, group=4, eval_every=10, eval_rollouts=32),
+        # About an hour on 2 free cores, estimated from the quick mode's CPU time (pretraining ~8 min per seed at
+        # its cap, each temperature's RL ~4 min per seed); not yet measured.
+        "full": dataclasses.replace(_CODE, vocab=8192, seq=48, prompt=16, sft_seq=96, sft_min_steps=300, sft_max_steps=800,
+                                    sft_window=100, files=None, rl_steps=24, prompts=4, group=4, eval_every=8, eval_rollouts=32),
         "gpu": dataclasses.replace(_CODE, vocab=32768, hidden=512, layers=8, heads=8, seq=160, prompt=32, sft_seq=512, sft_batch=32,
                                    sft_min_steps=1000, sft_max_steps=10000, sft_window=200, sft_lr=1e-3, held_out_windows=256, files=None,
                                    rl_steps=100, prompts=16, group=8, eval_every=20, eval_rollouts=128, device="cuda"),
