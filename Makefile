@@ -67,7 +67,7 @@ bench: venv  ## the main job: benchmark against stock mcore and verl (its varian
 install-check:  ## the README's install commands in a fresh virtualenv (scripts/check_install.sh)
 	PYTHON=$(PYTHON) scripts/check_install.sh
 
-acceptance: venv  ## draft acceptance through an RL run over 3 seeds: frozen MTP vs ce / distill / tv (ACCEPTANCE_ARGS=--quick: a few minutes)
+acceptance: venv  ## draft acceptance through an RL run over 3 seeds on the standard library's code: frozen MTP vs ce / distill / tv / accept at T = 1.0 and 0.7 (ACCEPTANCE_ARGS=--quick: minutes; --task words: the synthetic language)
 	$(PY) -m benchmarks.acceptance $(ACCEPTANCE_ARGS)
 
 demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock

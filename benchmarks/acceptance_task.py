@@ -1,4 +1,8 @@
-"""The synthetic language, its reward and the policy-gradient pieces of the acceptance benchmark.
+"""The acceptance benchmark's task protocol, its synthetic word task, and the policy-gradient pieces.
+
+A task (``Task``) is what the benchmark needs to know of the text: pretraining batches, held-out
+prompts, a reward on generated tokens and a few named policy measures. ``WordTask`` (here) and
+``benchmarks.acceptance_code.CodeTask`` (the standard library's own code) implement it.
 
 The language is a small word grammar with real next-token structure: every word has a fixed
 spelling (a start token that names the word, then 0-2 interior letters, so inside a word the next
@@ -10,7 +14,7 @@ learns it moves probability mass at word boundaries, which is what a frozen draf
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -114,12 +118,13 @@ Logits = Callable[[Tensor], Tensor]  # [b, s] token ids -> [b, s, V] main-head l
 def sample_rollouts(logits_of: Logits, prompts: Tensor, length: int, gen: torch.Generator, temperature: float = 1.0) -> Tensor:
     """Autoregressive sampling from the main head (full recompute per token; tiny models only).
 
-    The draws come from ``gen`` alone, so two models with identical main parameters sample
+    ``logits_of`` takes CPU token ids and may run the model anywhere; the logits of the last
+    position come back to the CPU. The draws come from ``gen`` alone, so two models with identical main parameters sample
     identical rollouts whatever their MTP layers hold.
     """
     tokens = prompts
     while tokens.shape[1] < length:
-        last = logits_of(tokens)[:, -1].float() / temperature
+        last = logits_of(tokens)[:, -1].float().cpu() / temperature
         nxt = torch.multinomial(F.softmax(last, dim=-1), 1, generator=gen)
         tokens = torch.cat([tokens, nxt], dim=1)
     return tokens
@@ -145,3 +150,74 @@ def policy_gradient_loss(logits: Tensor, labels: Tensor, mask: Tensor, advantage
     """On-policy GRPO loss (one update per batch, so the ratio is 1): ``-mean(A * log p(token))``."""
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return -(advantages[:, None] * logp * mask).sum() / mask.sum()
+
+
+class Task(Protocol):
+    """What the benchmark needs of a text: built per seed by ``build(setting, seed, cache)``.
+
+    ``policy_metrics`` names the per-rollout measures ``describe`` returns (besides the reward);
+    ``pretrain_batch`` draws ``[count, length]`` training sequences; ``held_out`` is a fixed
+    ``[n, length]`` batch for the pretraining's stopping rule (``None``: stop on the draft's
+    acceptance instead); ``prompts`` draws ``[count, setting.prompt]`` prompts of the ``"rl"`` or
+    ``"eval"`` split.
+    """
+
+    name: str
+    policy_metrics: tuple[str, ...]
+
+    def pretrain_batch(self, count: int, length: int, gen: torch.Generator) -> Tensor: ...
+
+    def held_out(self) -> Optional[Tensor]: ...
+
+    def prompts(self, count: int, split: str, gen: torch.Generator) -> Tensor: ...
+
+    def reward(self, tokens: Tensor, prompt: int) -> Tensor: ...
+
+    def describe(self, tokens: Tensor, prompt: int) -> dict[str, float]: ...
+
+    def examples(self, tokens: Tensor) -> list[Any]: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def cache_key(self) -> Optional[str]: ...
+
+
+WORD_PROMPT = 2  # BOS and the first word's start token
+
+
+@dataclasses.dataclass
+class WordTask:
+    """The synthetic word language as a ``Task``: prompts are BOS and a first word's start token."""
+
+    language: WordLanguage
+    name: str = "words"
+    policy_metrics: tuple[str, ...] = ("grammatical_share",)
+
+    @classmethod
+    def build(cls, setting: Any, seed: int, cache: Any = None) -> "WordTask":
+        return cls(WordLanguage.build(vocab=setting.vocab, seed=seed))
+
+    def pretrain_batch(self, count: int, length: int, gen: torch.Generator) -> Tensor:
+        return self.language.sample(count, length, gen)
+
+    def held_out(self) -> Optional[Tensor]:
+        return None
+
+    def prompts(self, count: int, split: str, gen: torch.Generator) -> Tensor:
+        return self.language.sample(count, WORD_PROMPT, gen)
+
+    def reward(self, tokens: Tensor, prompt: int) -> Tensor:
+        return self.language.reward(tokens, prompt)
+
+    def describe(self, tokens: Tensor, prompt: int) -> dict[str, float]:
+        return {"grammatical_share": self.language.grammatical_share(tokens, prompt)}
+
+    def examples(self, tokens: Tensor) -> list[Any]:
+        return tokens.tolist()
+
+    def info(self) -> dict[str, Any]:
+        lang = self.language
+        return {"words": lang.words, "preferred": sorted(lang.preferred), "spellings": [list(s) for s in lang.spellings]}
+
+    def cache_key(self) -> Optional[str]:
+        return None  # seconds to pretrain: not cached

@@ -1,0 +1,122 @@
+"""Settings of the acceptance benchmark: task, model sizes and schedules per named mode.
+
+Per task: ``quick`` (CI; minutes on 2 cores), ``full`` (the published run), ``smoke`` (the tests,
+seconds); the code task also ``gpu``, which scales V, h and the layers up for one CUDA device.
+``benchmarks.acceptance --set field=value,...`` overrides any field (e.g. the gpu schedule at tiny
+sizes on the CPU: ``--config gpu --set device=cpu,hidden=32,...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from benchmarks.configs import Config, Shape
+
+WORD_VARIANTS = ("frozen", "ce", "distill", "tv")
+CODE_VARIANTS = WORD_VARIANTS + ("accept",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Task, sizes and schedule of one run."""
+
+    task: str = "words"
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    vocab: int = 32
+    seq: int = 32  # rollout length, prompt included
+    prompt: int = 2
+    mtp: int = 2
+    sft_seq: Optional[int] = None  # pretraining sequence length (None: seq)
+    sft_batch: int = 32
+    sft_min_steps: int = 300  # at initialisation both heads are near uniform, so acceptance starts high and dips first
+    sft_max_steps: int = 1000
+    sft_window: int = 50  # plateau check every this many steps
+    sft_tolerance: float = 0.005  # words: window mean acceptance gain; code: relative held-out loss gain
+    sft_lr: float = 3e-3
+    held_out_windows: int = 64
+    files: Optional[int] = None  # code: standard-library files to use (None: all)
+    rl_steps: int = 40
+    prompts: int = 8
+    group: int = 8
+    rl_lr: float = 1e-3
+    mtp_lr: float = 3e-3
+    eval_every: int = 5
+    eval_rollouts: int = 64
+    temperatures: tuple[float, ...] = (1.0,)
+    variants: tuple[str, ...] = WORD_VARIANTS
+    position_embedding: str = "learned_absolute"
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def pretrain_seq(self) -> int:
+        return self.sft_seq or self.seq
+
+
+_CODE = Setting(
+    task="code", hidden=128, layers=4, heads=4, vocab=4096, seq=36, prompt=12, sft_seq=48, sft_batch=16,
+    sft_min_steps=100, sft_max_steps=120, sft_window=40, sft_tolerance=0.01, sft_lr=2e-3, files=120,
+    rl_steps=8, prompts=4, group=4, rl_lr=1e-3, eval_every=8, eval_rollouts=8, temperatures=(1.0, 0.7),
+    variants=CODE_VARIANTS, position_embedding="rope",
+)
+SETTINGS: dict[str, dict[str, Setting]] = {
+    "words": {
+        "quick": Setting(sft_min_steps=200, sft_max_steps=400, rl_steps=20, eval_every=5, eval_rollouts=128),
+        "full": Setting(sft_max_steps=2500, rl_steps=150, eval_every=10, eval_rollouts=256),
+        "smoke": Setting(hidden=32, layers=1, seq=12, sft_batch=8, sft_min_steps=0, sft_max_steps=6, sft_window=3, rl_steps=2, prompts=2, group=4, eval_every=1, eval_rollouts=4),
+    },
+    "code": {
+        "quick": _CODE,
+        # About an hour on 2 free cores, estimated from the quick mode's CPU time (pretraining ~8 min per seed at
+        # its cap, each temperature's RL ~4 min per seed); not yet measured.
+        "full": dataclasses.replace(_CODE, vocab=8192, seq=48, prompt=16, sft_seq=96, sft_min_steps=300, sft_max_steps=800,
+                                    sft_window=100, files=None, rl_steps=24, prompts=4, group=4, eval_every=8, eval_rollouts=32),
+        "gpu": dataclasses.replace(_CODE, vocab=32768, hidden=512, layers=8, heads=8, seq=160, prompt=32, sft_seq=512, sft_batch=32,
+                                   sft_min_steps=1000, sft_max_steps=10000, sft_window=200, sft_lr=1e-3, held_out_windows=256, files=None,
+                                   rl_steps=100, prompts=16, group=8, eval_every=20, eval_rollouts=128, device="cuda"),
+        "smoke": dataclasses.replace(_CODE, vocab=1024, hidden=32, layers=1, seq=14, prompt=8, sft_seq=16, sft_batch=4, sft_min_steps=0,
+                                     sft_max_steps=4, sft_window=2, held_out_windows=4, files=40, rl_steps=2, prompts=2, group=2,
+                                     eval_every=1, eval_rollouts=3),
+    },
+}
+
+
+def config(setting: Setting) -> Config:
+    shape = shape_of(setting)
+    return Config(
+        name="acceptance", device=setting.device, dtype=torch.float32, base=shape, vocab_sweep=(), seq_sweep=(), mtp_sweep=(),
+        rounds=1, warmup=0, position_embedding=setting.position_embedding,
+    )
+
+
+def shape_of(setting: Setting) -> Shape:
+    # Room for the speculative loop's two draft tokens past the rollout length.
+    return Shape(vocab=setting.vocab, seq=max(setting.seq + 2, setting.pretrain_seq), mtp=setting.mtp,
+                 hidden=setting.hidden, layers=setting.layers, heads=setting.heads)
+
+
+
+
+def overrides(text: str) -> dict[str, Any]:
+    """``hidden=32,layers=1`` -> typed values for ``Setting``'s fields."""
+    types = {f.name: f.type for f in dataclasses.fields(Setting)}
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in types:
+            raise ValueError(f"--set: unknown field {name!r}; fields: {', '.join(types)}")
+        kind = str(types[name])
+        if kind == "Optional[int]":
+            out[name] = None if value == "None" else int(value)
+        elif kind in ("int", "float"):
+            out[name] = int(value) if kind == "int" else float(value)
+        elif kind == "str":
+            out[name] = value
+        else:
+            raise ValueError(f"--set: field {name!r} ({kind}) cannot be set from the command line")
+    return out
