@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import traceback
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -247,8 +248,10 @@ def relative_error(actual: Tensor, reference: Tensor) -> float:
 
 def within_stock_error(what: str, hooked: Tensor, stock: Tensor, reference: Tensor, dtype: str) -> None:
     """The hooked error against the fp32 twin is at most stock's own, doubled, plus one unit roundoff
-    of ``dtype``: the two twins round the same math in different orders, so each error is a sample
-    of the same rounding noise; the unit roundoff covers a stock error that happens to be 0."""
+    of ``dtype``. Both twins round the same math, in different orders, so stock's error is the
+    scale of the rounding noise; the unit roundoff covers a stock error that happens to be tiny.
+    On the default set the hooked / stock error ratio has median 1.0 and maximum 1.34 (bf16) and
+    2.17 (fp16, at a stock error of a few unit roundoffs): at most 0.83 of the bound is used."""
     stock_error, hooked_error = relative_error(stock, reference), relative_error(hooked, reference)
     bound = 2 * stock_error + torch.finfo(DTYPES[dtype]).eps / 2
     assert hooked_error <= bound, f"{what}: hooked error {hooked_error:.3g} against the fp32 twin, stock's {stock_error:.3g} (bound {bound:.3g})"
@@ -578,20 +581,14 @@ def run_case(case: Case) -> None:
     compare(case, hooked, stock, reference)
 
 
-def missing(case: Case) -> Optional[str]:
-    """Why the installed megatron-core cannot run ``case``, or ``None``."""
-    return None
-
-
 def scenario_case(case: Case) -> Optional[str]:
-    """``run_case`` on every rank of a ``tests.distributed.SpawnedGroup``; each rank compares its own
-    shards. A difference found by the comparison (after the last collective) comes back as the
-    message, so the ranks stay in step and the group serves the next case; an error while the
-    twins run raises (the group restarts)."""
-    hooked, stock, reference = run_twins(case)
-    assert hooked is not None
+    """``run_case`` on every rank of a ``tests.distributed.SpawnedGroup`` (each rank compares its own
+    shards); a difference or an error comes back as its message, so the group serves the next case.
+    The twins run the same ops on both ranks, so an error stops both at the same point; one that
+    stopped a single rank inside a collective leaves the other waiting, and the group's timeout
+    fails the case."""
     try:
-        compare(case, hooked, stock, reference)
-    except AssertionError as error:
-        return str(error)
+        run_case(case)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        return traceback.format_exc(limit=-4)
     return None
