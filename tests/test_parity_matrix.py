@@ -90,7 +90,7 @@ def test_covering_sets_hold_every_combination_and_are_deterministic(strength: in
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("where", ["output_layer.weight", "mtp.layers.0.eh_proj.weight"])
-def test_the_comparison_catches_a_gradient_off_by_a_thousandth(dtype: str, where: str) -> None:
+def test_the_comparison_catches_a_slightly_wrong_gradient(dtype: str, where: str) -> None:
     """The tolerances are not vacuous: a hooked gradient scaled by 1.001 (fp32) or 1.05 (bf16,
     a few times its unit roundoff) fails the comparison that the unchanged one passes."""
     case = Case(dtype=dtype)
