@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ from benchmarks.counters import HostSyncs, HostToDevice
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from tests.mcore_cpu import (
     Batch,
     TinyGPT,
@@ -45,6 +45,8 @@ from tests.mcore_cpu import (
     masked_mean,
     stock_mtp_losses,
 )
+from tests.parity import assert_same_main_grads, main_grads, mcore_ddp, relative_error
+from tests.parity import schedule_step as step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -67,33 +69,13 @@ def hooked_loss(model: nn.Module, hooks: mtp_hooks.MTPHooks, batch: Batch) -> Te
     return masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask)
 
 
-def step(loss_of: Callable[[], Tensor], scale: float, scale_in_forward: float = 1.0) -> None:
-    """One micro-batch as mcore's schedule runs it: forward (the MTP scale then still holds
-    ``scale_in_forward``), then ``set_loss_scale(scale)``, then backward of ``scale * loss``."""
-    MTPLossAutoScaler.set_loss_scale(torch.tensor(scale_in_forward))
-    loss = loss_of()
-    MTPLossAutoScaler.set_loss_scale(torch.tensor(scale))
-    (loss * scale).backward()
-
-
 # --------------------------------------------------------------------------- gradient-accumulation fusion
 
 
 def ddp_twin(seed: int, tied: bool, **overrides: Any) -> tuple[nn.Module, DistributedDataParallel]:
     spec = TinyGPT(vocab_size=VOCAB, tied=tied, config_overrides={"gradient_accumulation_fusion": True, **overrides})
     model = spec.build(seed=seed)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
-    return model, DistributedDataParallel(model.config, ddp_config, model)
-
-
-def main_grads(model: nn.Module) -> dict[str, Tensor]:
-    return {name: param.main_grad.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
-
-
-def assert_same_main_grads(actual: dict[str, Tensor], expected: dict[str, Tensor], atol: float = 1e-6, rtol: float = 1e-5) -> None:
-    assert actual.keys() == expected.keys()
-    for name, ref in expected.items():
-        torch.testing.assert_close(actual[name], ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    return model, mcore_ddp(model)
 
 
 @pytest.mark.parametrize("scale_in_forward", [0.5, 1.0], ids=["scale changes after forward", "same scale"])
@@ -185,7 +167,7 @@ def _errors(grads: dict[str, Tensor], reference: dict[str, Tensor], scale: float
     finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
     if not finite:
         return float("inf"), False
-    return max(float((grads[n] / scale - ref).abs().max() / ref.abs().max()) for n, ref in reference.items()), True
+    return max(relative_error(grads[n] / scale, ref) for n, ref in reference.items()), True
 
 
 def _fitted_scale(grads: dict[str, Tensor], reference: dict[str, Tensor], scale: float) -> float:
