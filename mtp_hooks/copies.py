@@ -14,7 +14,7 @@ from typing import Any
 
 from mtp_hooks.errors import bad_state
 
-_PER_MODEL = ("pending", "forward", "_model_ref", "_originals", "_lock", "_recovering", "_refused", "_bound")
+_PER_MODEL = ("pending", "forward", "_model_ref", "_originals", "_lock", "_recovering", "_refused", "_bound", "_marked")
 
 
 class CopyableHooks:

@@ -40,6 +40,7 @@ from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss
 from mtp_hooks.copies import CopyableHooks
 from mtp_hooks.errors import bad_argument, bad_state, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
+from mtp_hooks.main_grad import mark_shared_copy, unmark_shared_copy
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
 from mtp_hooks.proxies import config_view
@@ -72,6 +73,7 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
         self._recovering = threading.Lock()
         self._refused = 0  # nested calls refused on the owning thread whose post-hook is pending
         self._bound = BoundTargets()  # targets of checkpointed forwards, for their recomputes
+        self._marked = mark_shared_copy(model)  # see ``main_grad.mark_shared_copy``; undone by ``close``
 
     @property
     def alive_model(self) -> Optional[nn.Module]:
@@ -96,8 +98,7 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True))
             self._last["output_first"] = handles[-1].id
             handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_pre, with_kwargs=True))
-            if self.options.output == "logprobs":
-                handles.append(model.output_layer.register_forward_hook(self.on_output_layer_post))
+            handles.append(model.output_layer.register_forward_hook(self.on_output_layer_post))
             handles.append(model.decoder.register_forward_hook(self.on_decoder_post))
             self._last["decoder"] = handles[-1].id
         if model.mtp_process:
@@ -257,4 +258,6 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
             raise bad_state("remove", "no forward of the model in flight", "remove() while a forward of the model is running")
         self.recover_abandoned()
         self.pending = None
+        unmark_shared_copy(self._marked)
+        self._marked = None
 

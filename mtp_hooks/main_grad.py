@@ -110,3 +110,31 @@ class HeadWeightGrad:
             return self._plain
         assert self._weight is not None
         return placeholder_grad(self._weight, self.main_grad, self._input_dtype, spent=self._spent)
+
+
+def mark_shared_copy(model: nn.Module) -> Optional[Tensor]:
+    """Mark a later pipeline stage's tied word-embedding copy ``zero_out_wgrad``; return it if marked here.
+
+    On that stage (tied heads, the MTP layers there, PP > 1) one weight serves both the output layer
+    and the MTP layers' embedding lookups. Under the protocol the output layer adds its share to
+    ``main_grad`` and returns an uninitialised placeholder, autograd sums the lookups' share onto it,
+    and DDP drops the sum (``grad_added_to_main_grad``): the lookups' share is lost (stock mcore too).
+    ``zero_out_wgrad`` is mcore's own flag for a weight two layers use on one stage (it sets it at
+    PP = 1 only): the placeholder is zeros, so DDP adds ``.grad``, which is then exactly the lookups'
+    share. Nothing is computed anew, and a stage without fusion is unchanged (the flag is read only
+    under the protocol). The alternatives (the lookups' gradient routed into ``main_grad`` by a hook
+    on their output, or by ``DetachedEmbedding``) would recompute mcore's embedding backward.
+    """
+    if not (getattr(model, "share_embeddings_and_output_weights", False) and model.post_process and model.mtp_process):
+        return None
+    weight = model.embedding.word_embeddings.weight
+    if getattr(weight, "zero_out_wgrad", False):
+        return None  # PP = 1: mcore set it
+    weight.zero_out_wgrad = True
+    return weight
+
+
+def unmark_shared_copy(weight: Optional[Tensor]) -> None:
+    """Undo ``mark_shared_copy``."""
+    if weight is not None and getattr(weight, "zero_out_wgrad", False):
+        del weight.zero_out_wgrad

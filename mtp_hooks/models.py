@@ -66,25 +66,37 @@ def check_wrappers(model: nn.Module, detach_encoder: bool) -> None:
 
     ``detach_encoder`` on a pipeline stage after the first (PP > 1): the stage's copy of the word
     embeddings, which mcore keeps there for the MTP layers alone (untied heads), then gets no
-    gradient at all, and mcore's DDP with ``overlap_grad_reduce`` waits for every parameter's
-    gradient before it reduces a bucket: from the second step it asserts (stock's own
-    ``mtp_detach_heads`` fails the same way). Seen only when ``model`` is (or wraps) the DDP.
+    gradient at all. mcore's DDP with ``overlap_grad_reduce`` counts the gradients that arrive while
+    grad sync is on (the last micro-batch's backward) and, from the second step, asserts that every
+    parameter of a bucket got one. Under Megatron's default wiring (``align_grad_reduce``: the
+    config's ``grad_sync_func`` is set) the schedules of stages after the first never run a backward
+    with grad sync on (they launch the reduction themselves), so nothing is counted and nothing
+    asserts; without it (``no_sync_func`` alone) the last micro-batch's backward counts and DDP
+    asserts. ``use_distributed_optimizer`` changes neither. Refused only where that wiring is
+    visible at ``attach`` (a config with ``no_sync_func`` and no ``grad_sync_func``) under a DDP
+    (``model`` is or wraps it) with ``overlap_grad_reduce``; a schedule wired later is DDP's to check.
     """
     chain = _chain(model)
     language_model = chain[-1]
     if not detach_encoder or not _embedding_copy_for_mtp_alone(language_model):
         return
     for wrapper in chain[:-1]:
-        if getattr(getattr(wrapper, "ddp_config", None), "overlap_grad_reduce", False):
-            raise MTPHooksError(
-                "detach_encoder: on this pipeline stage the word embeddings are a copy the MTP layers alone use, "
-                "so detach_encoder leaves it without a gradient, and mcore's DDP with overlap_grad_reduce then "
-                "waits for it forever (an assertion from the second step)\n"
-                "  expected: DistributedDataParallelConfig(overlap_grad_reduce=False), or detach_encoder=False on a "
-                "pipeline stage after the first\n"
-                f"  received: detach_encoder=True under a {type(wrapper).__name__} with overlap_grad_reduce=True, on a stage "
-                "without pre_process (pipeline_model_parallel_size > 1)"
-            )
+        if not getattr(getattr(wrapper, "ddp_config", None), "overlap_grad_reduce", False):
+            continue
+        configs = [c for c in (getattr(wrapper, "config", None), language_model.config) if c is not None]
+        if any(getattr(c, "grad_sync_func", None) is not None for c in configs):
+            continue  # align_grad_reduce: nothing is counted on this stage
+        if not any(getattr(c, "no_sync_func", None) is not None for c in configs):
+            continue  # the schedule is not wired yet
+        raise MTPHooksError(
+            "detach_encoder: on this pipeline stage the word embeddings are a copy the MTP layers alone use, "
+            "so detach_encoder leaves it without a gradient, and mcore's DDP with overlap_grad_reduce, whose schedule "
+            "counts the last micro-batch's gradients (no grad_sync_func), then asserts from the second step\n"
+            "  expected: the config's grad_sync_func set as Megatron's align_grad_reduce=True sets it (the default), "
+            "DistributedDataParallelConfig(overlap_grad_reduce=False), or detach_encoder=False on a pipeline stage after the first\n"
+            f"  received: detach_encoder=True under a {type(wrapper).__name__} with overlap_grad_reduce=True, no_sync_func set "
+            "and grad_sync_func None, on a stage without pre_process (pipeline_model_parallel_size > 1)"
+        )
 
 
 def _embedding_copy_for_mtp_alone(language_model: nn.Module) -> bool:

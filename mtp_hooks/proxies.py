@@ -8,8 +8,8 @@
   ``copy``, ``deepcopy`` and ``pickle`` produce the real config's class with its real values.
   ``config_view(config, live, "recompute_granularity")`` is the same for another field: the MTP
   layers of a packed batch run without the full recompute that stock 0.16 - 0.17 cannot do there;
-  with ``"defer_embedding_wgrad_compute"`` the dense MTP heads' own output-layer calls stay out of
-  mcore's deferred-wgrad buffers (``submodule_hooks``).
+  with ``"defer_embedding_wgrad_compute"`` the dense MTP heads' own output-layer calls and the main
+  head's training call stay out of mcore's deferred-wgrad buffers (``submodule_hooks``, ``deferral``).
 * ``DetachedEmbedding`` (wrapt) calls the real embedding module and detaches what it returns, so
   the MTP layers learn from the next-token embeddings without sending gradient into them.
 """

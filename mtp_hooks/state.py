@@ -70,6 +70,7 @@ class ForwardState:
     head_labels: Optional[Tensor] = None
     head_output: Optional[TokenLogProbs] = None
     head_call: Optional[Tensor] = None  # output="logprobs": the input of mcore's own main-head call, until it returns
+    undeferred_call: Optional[Tensor] = None  # the input of the main head's call run undeferred (``deferral``), until it returns
     loss_scale: Any = None  # this forward's MTP loss multiplier: micro_batch(loss_scale=) x call_loss_scale
     # Attributes of MTP layers swapped for the MTP block's run (module, name, original), restored
     # when the block returns or, if it raised, when the window closes.

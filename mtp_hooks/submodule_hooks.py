@@ -9,7 +9,8 @@
 * output-layer pre-hook kept first: closes the window before any user hook runs; the main
   output-layer pre-hook computes the MTP losses (``heads``) on the call that carries the block's
   output, matched by identity, so a user's own call of the output layer (a logit lens) is stock's;
-  with ``output="logprobs"`` an output-layer forward hook gives mcore's own main-head call its gradient.
+  the output-layer forward hook: with ``output="logprobs"`` it gives mcore's own main-head call its
+  gradient; under ``defer_embedding_wgrad_compute`` it ends the main head's undeferred call (``deferral``).
 
 Every hook acts only on the thread whose forward is in flight (``ForwardState.thread``) and on the
 model that forward runs (``ForwardState.model``), never on a stored reference.
@@ -22,7 +23,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from mtp_hooks import _mcore, heads
+from mtp_hooks import _mcore, deferral, heads
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
@@ -125,6 +126,11 @@ class SubmoduleHooks:
                 state.packed_layout,
             )
             state.attached = True
+            if state.head_labels is None and deferral.defers(layer):
+                # The main head's call on the MTP stage, where mcore's drain targets the wrong weight
+                # (``deferral``): undeferred, with an empty pair left in the buffers on its return.
+                state.swap(layer, "config", deferral.undeferred(layer.__dict__["config"]))
+                state.undeferred_call = hidden
         elif state.head_labels is None:
             return (args, kwargs) if state.output_weight is not None else None
         if state.head_labels is not None and state.head_output is None:
@@ -135,14 +141,22 @@ class SubmoduleHooks:
         return (hidden, *args[1:]), kwargs
 
     def on_output_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """``output="logprobs"``: the log-probs carry a zero gradient back to the logits of mcore's own
+        """The main head's undeferred call (``deferral``) returned: its real config back, an empty pair
+        in mcore's buffers. ``output="logprobs"``: the log-probs carry a zero gradient back to the logits of mcore's own
         main-head call (``logprobs.with_zero_gradient_to``), so that call gets its backward like any
         head call. Under ``defer_embedding_wgrad_compute`` mcore's layer buffered the call's input, and
         the pipeline's drain (``drain_embedding_wgrad_compute``) pairs every buffered input with a
         buffered gradient; it cannot run on none, so removing the input instead would leave the
         log-probs with lean MTP nothing to drain. The zero adds exactly nothing to any gradient."""
         state = self.forward
-        if state is None or state.head_call is None or state.thread != threading.get_ident() or not args or args[0] is not state.head_call:
+        if state is None or state.thread != threading.get_ident() or not args:
+            return None
+        if state.undeferred_call is not None and args[0] is state.undeferred_call:
+            state.undeferred_call = None
+            state.restore_swaps()
+            deferral.leave_empty_pair(layer, layer.__dict__["config"], args[0], output[0])
+            return None
+        if state.head_call is None or args[0] is not state.head_call:
             return None
         state.head_call = None
         if state.head_output is not None:
@@ -160,7 +174,7 @@ class SubmoduleHooks:
         undeferred = bool(getattr(config, "defer_embedding_wgrad_compute", False))
         state.in_own_head_call = True
         if undeferred:
-            layer.__dict__["config"] = config_view(config, lambda: True, "defer_embedding_wgrad_compute")
+            layer.__dict__["config"] = deferral.undeferred(config)
         try:
             logits, _bias = layer(hidden, weight=weight, runtime_gather_output=False)
         finally:

@@ -178,9 +178,11 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
 
     PP=2 with tied embeddings: the last stage holds its copy of the word embeddings as the output
     weight (for the MTP layers too), without ``zero_out_wgrad``, and ``finalize_model_grads``
-    all-reduces that copy's ``main_grad`` with the first stage's. TP=2: stock's vocabulary shards
-    are gathered (differentiably) before its ``log_softmax``. Every ``main_grad`` on this rank
-    equal; returns whether this rank holds the output layer.
+    all-reduces that copy's ``main_grad`` with the first stage's; stock drops the MTP layers'
+    embedding lookups' share of that copy under fusion (``tests.pipeline_cases.STOCK_DEFECTS``), so
+    the tied stock twin runs without fusion. TP=2: stock's vocabulary shards are gathered
+    (differentiably) before its ``log_softmax``. Every ``main_grad`` on this rank equal; returns
+    whether this rank holds the output layer.
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -197,8 +199,9 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
     with fused_wgrad_kernel_on_cpu(), cuda_calls_on_cpu(), cuda_stream_on_cpu():
         wrapped = {}
+        stock_shape = TinyGPT(vocab_size=VOCAB, num_layers=2, tied=tied, config_overrides={**overrides, "gradient_accumulation_fusion": not tied})
         for name in ("stock", "hooked"):
-            (chunk,) = _pipeline_chunks(shape, None)
+            (chunk,) = _pipeline_chunks(stock_shape if name == "stock" else shape, None)
             chunk.config.finalize_model_grads_func = finalize_model_grads
             wrapped[name] = (chunk, DistributedDataParallel(chunk.config, ddp_config, chunk))
         stock_chunk, stock = wrapped["stock"]

@@ -638,18 +638,64 @@ def test_detach_encoder_leaves_a_later_stages_embedding_copy_without_gradient(de
     assert model.mtp.layers[0].eh_proj.weight.grad is not None  # the MTP layers trained either way
 
 
-def _ddp(model: nn.Module, overlap_grad_reduce: bool) -> nn.Module:
+def _ddp(model: nn.Module, overlap_grad_reduce: bool, align_grad_reduce: bool = False) -> nn.Module:
+    """mcore DDP around ``model``, the schedule's hooks wired as Megatron's ``training.py`` wires them
+    (with ``overlap_grad_reduce``: ``no_sync_func``, and ``grad_sync_func`` under ``align_grad_reduce``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    return DistributedDataParallel(model.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce), model)
+    if overlap_grad_reduce:
+        ddp.config.no_sync_func = ddp.no_sync
+        if align_grad_reduce:
+            ddp.config.grad_sync_func = ddp.start_grad_sync
+    return ddp
 
 
-def test_detach_encoder_on_a_later_stage_under_overlapped_grad_reduce_is_refused_at_attach() -> None:
+def test_detach_encoder_on_a_later_stage_under_overlapped_grad_reduce_without_align_is_refused_at_attach() -> None:
     model = _stage_model(post_process=True, with_mtp=True, pre_process=False)
-    ddp = _ddp(model, overlap_grad_reduce=True)
-    with pytest.raises(mtp_hooks.MTPHooksError, match=r"^detach_encoder: .*overlap_grad_reduce.*\n.*overlap_grad_reduce=False.*\n.*received: detach_encoder=True under a DistributedDataParallel"):
+    ddp = _ddp(model, overlap_grad_reduce=True, align_grad_reduce=False)
+    with pytest.raises(mtp_hooks.MTPHooksError, match=r"^detach_encoder: .*overlap_grad_reduce.*no grad_sync_func.*\n.*align_grad_reduce=True.*overlap_grad_reduce=False.*\n.*received: detach_encoder=True under a DistributedDataParallel.*grad_sync_func None"):
         mtp_hooks.attach(ddp, detach_encoder=True)
     assert mtp_hooks.hooks_of(ddp) is None
+
+
+def test_detach_encoder_on_a_later_stage_under_aligned_overlapped_grad_reduce_is_attached() -> None:
+    """Megatron's default wiring (``align_grad_reduce``): a stage after the first counts no gradient,
+    so DDP never asserts (the parity matrix's overlapped ``detach_encoder`` cases train it equal to stock)."""
+    model = _stage_model(post_process=True, with_mtp=True, pre_process=False)
+    mtp_hooks.attach(_ddp(model, overlap_grad_reduce=True, align_grad_reduce=True), detach_encoder=True).remove()
+
+
+@pytest.mark.parametrize("align_grad_reduce", [False, True], ids=["no_sync_func_alone", "align_grad_reduce"])
+def test_overlapped_grad_reduce_asserts_on_the_idle_copy_only_without_align(align_grad_reduce: bool) -> None:
+    """Why the refusal needs ``no_sync_func`` without ``grad_sync_func``: two steps of two micro-batches on
+    a later stage, grad sync toggled as mcore's schedules toggle it there (without ``grad_sync_func``
+    the last micro-batch's backward runs with sync on; with it, none does and the schedule calls it
+    after the last backward). DDP asserts from the second step without align only."""
+    model = _stage_model(post_process=True, with_mtp=True, pre_process=False)
+    ddp = _ddp(model, overlap_grad_reduce=True, align_grad_reduce=align_grad_reduce)
+    hooks = mtp_hooks.attach(model, detach_encoder=True)  # the language model: no wiring seen, attached
+
+    def step() -> None:
+        ddp.zero_grad_buffer()
+        with ddp.no_sync():
+            _last_stage_step(model, hooks)
+            if align_grad_reduce:
+                _last_stage_step(model, hooks)
+        if not align_grad_reduce:
+            _last_stage_step(model, hooks)
+        else:
+            ddp.config.grad_sync_func()
+        ddp.finish_grad_sync()
+
+    step()
+    if align_grad_reduce:
+        step()
+        assert model.mtp.layers[0].eh_proj.weight.main_grad.any()
+    else:
+        with pytest.raises(AssertionError):
+            step()
+    hooks.remove()
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+import mtp_hooks
+
 from tests.distributed import SpawnedGroup
 from tests.pipeline_cases import STOCK_DEFECTS, Case, full_product, grad_reference, pairwise
 from tests.pipeline_parity import Run, batches_for_this_rank, rel_l2, run_hooked, run_stock
@@ -117,6 +119,21 @@ def scenario_stock_deviation(fields: dict[str, Any]) -> dict[str, Any]:
     return {"last_stage": hooked.last_stage, "failures": compare(case, hooked, stock, reference, None), **last_chunk}
 
 
+def scenario_zero_out_wgrad_marks(tied: bool) -> dict[str, Any]:
+    """This rank's word-embedding weight's ``zero_out_wgrad`` before ``attach``, attached, after ``remove()``."""
+    from tests.pipeline_parity import _chunks, _on_cpu
+
+    with _on_cpu(fusion=False):
+        gpt = _chunks(Case(tied=tied).knobs, None)[0]
+    weight = gpt.embedding.word_embeddings.weight
+    marks = [getattr(weight, "zero_out_wgrad", None)]
+    hooks = mtp_hooks.attach(gpt)
+    marks.append(getattr(weight, "zero_out_wgrad", None))
+    hooks.remove()
+    marks.append(getattr(weight, "zero_out_wgrad", None))
+    return {"last_stage": bool(gpt.post_process), "marks": marks}
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -167,6 +184,17 @@ def _last_stage(pair: SpawnedGroup, case: Case) -> tuple[dict[str, Any], list[st
 
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_mtp_stages_tied_embedding_copy_is_marked_zero_out_wgrad_while_attached(pair: SpawnedGroup, tied: bool) -> None:
+    """PP=2: the last stage's tied word-embedding copy (the head's weight and the MTP lookups') is
+    marked ``zero_out_wgrad`` while attached (``mtp_hooks.main_grad.mark_shared_copy``; the tied
+    fusion cases check the gradients) and unmarked by ``remove()``; nothing else is marked."""
+    results = pair.run(scenario_zero_out_wgrad_marks, {"pipeline_model_parallel_size": 2}, timeout_s=120.0, tied=tied)
+    marks = {r["last_stage"]: r["marks"] for r in results}
+    assert marks[False] == [None, None, None]
+    assert marks[True] == ([None, True, None] if tied else [None, None, None])
+
+
 def test_stock_drops_the_mtp_embedding_lookup_gradient_with_tied_heads_and_fusion(pair: SpawnedGroup) -> None:
     """Tied heads, PP=2, gradient-accumulation fusion under mcore DDP: stock's shared word-embedding
     ``main_grad`` lacks the MTP layers' embedding lookups (their ``.grad`` is dropped by DDP's hook,
@@ -192,13 +220,15 @@ def test_stock_pairs_deferred_activations_with_gradients_in_the_wrong_order(pair
 
 def test_stock_drains_the_deferred_head_gradient_into_the_embedding_weight(pair: SpawnedGroup) -> None:
     """``defer_embedding_wgrad_compute`` with MTP, PP=2, untied: stock's drain writes the head's
-    gradient into the word embeddings, and the head's own ``main_grad`` stays 0. The hooks inherit
-    the drain target for the main head's share (the matrix's ``defer`` cases report it)."""
+    gradient into the word embeddings, and the head's own ``main_grad`` stays 0. The hooks keep the
+    main head's call undeferred there (``mtp_hooks.deferral``): both weights equal undeferred stock."""
     case = Case(layout="pp2", tied=False, output="logits", loss_impl="lean", sync="fusion", defer=True)
     last, _ = _last_stage(pair, case)
     assert last["reference"][HEAD].any()
     assert not last["stock"][HEAD].any(), "stock's deferred head gradient now reaches output_layer.weight: drop this STOCK_DEFECTS entry"
     assert rel_l2(last["stock"][WORDS], last["reference"][WORDS]) > 0.5
+    for name in (HEAD, WORDS):
+        torch.testing.assert_close(last["hooks"][name], last["reference"][name], atol=ATOL, rtol=RTOL)
 
 
 def test_every_stock_defect_names_its_pin() -> None:
