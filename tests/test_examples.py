@@ -1,5 +1,5 @@
 """The examples in ``examples/`` run as a new user runs them (``python examples/<name>.py``) and print
-finite MTP metrics for every depth.
+finite MTP metrics for every depth, a verdict line, and exactly what the README's Quickstart shows.
 
 Each runs in its own interpreter: the examples start their own process group and mcore parallel
 state, which this test session already holds. The repository root goes first on ``PYTHONPATH``
