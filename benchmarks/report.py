@@ -206,7 +206,8 @@ def _syncs(counts: dict[str, Any]) -> str:
     return str(counts["syncs"]) + (f" ({ops})" if ops else "")
 
 
-def _headline(config: Config, result: dict[str, Any]) -> str:
+def headline(config: Config, result: dict[str, Any]) -> str:
+    """The one bold line, lean against stock at the base shape: the first line of the results, and the README's."""
     g = result["points"].get(config.base.key, {}).get("goals", {})
     if "flops_ratio" not in g:
         return "lean vs stock: not measured (stock or lean missing)."
@@ -241,7 +242,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
     basis = result.get("time_basis", "wall time")
     verl = env.get("verl")
     lines = [
-        _headline(config, result),
+        headline(config, result),
         "",
         f"Config `{config.name}` ({where}; torch {env.get('torch')}, megatron-core {env.get('megatron_core')}, "
         f"mtp_hooks {env.get('mtp_hooks')}, verl {verl or 'not installed'}, {str(config.dtype).replace('torch.', '')}, "
@@ -260,7 +261,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
     for name, why in result["refused"].items():
         lines += ["", f"Variant `{name}` skipped: {why}."]
     lines += ["", "Training micro-batch (forward + main loss + backward), base shape. Floors: FLOPs that must happen, "
-              "memory that must be held (see Method).", "",
+              "memory that must be held (see [Method](docs/benchmarks.md#method)).", "",
               "| variant | loss path | GFLOP | × stock | × floor | peak MiB | × stock | × floor | host syncs | H2D | "
               f"{basis} ms | × stock (per round) | wall ms |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -335,7 +336,7 @@ def _trainer_lines(config: Config, result: dict[str, Any]) -> list[str]:
 
 
 def trainer_summary(config: Config, result: dict[str, Any]) -> str:
-    """One paragraph for the README: what ``output="logprobs"`` saves against the trainer's own log-softmax."""
+    """One paragraph for docs/api.md: what ``output="logprobs"`` saves against the trainer's own log-softmax."""
     rows = []
     for shape_key, point in result["points"].items():
         a, b = point["variants"].get("trainer_logits"), point["variants"].get("trainer_logprobs")

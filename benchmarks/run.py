@@ -3,8 +3,9 @@
 ``python -m benchmarks`` (= ``python -m benchmarks.run --config cpu``) writes
 ``bench-out/<config>/results.{json,md}`` and ``bench-out/<config>/bench_<config>.png``;
 ``python -m benchmarks.run --config gpu`` does the same on one CUDA GPU.
-``--publish`` also writes the config's results block of BENCHMARKS.md, ``docs/bench_<config>.png``
-and the README's block between the ``<!-- bench:<config> -->`` markers, if it has them.
+``--publish`` also writes the config's results block of BENCHMARKS.md, ``docs/bench_<config>.png``,
+the headline line between the README's ``<!-- bench:<config> -->`` markers and the trainer paragraph
+between docs/api.md's ``<!-- trainer:<config> -->`` markers, where they are.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def _replace_block(text: str, begin: str, end: str, body: str) -> Optional[str]:
     return pattern.sub(lambda _: f"{begin}\n{body}{end}", text)
 
 
-def publish(config: Config, markdown_text: str, png: pathlib.Path, trainer_text: str = "") -> list[pathlib.Path]:
-    """Results into BENCHMARKS.md (between markers, or appended), the README block, the plot into docs/."""
+def publish(config: Config, markdown_text: str, png: pathlib.Path, headline: str, trainer_text: str = "") -> list[pathlib.Path]:
+    """Results into BENCHMARKS.md (between markers, or appended), the plot into docs/; the README gets the
+    headline line alone (its ``<!-- bench:<config> -->`` block) and docs/api.md the trainer paragraph."""
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     shutil.copyfile(png, docs / png.name)
@@ -110,15 +112,15 @@ def publish(config: Config, markdown_text: str, png: pathlib.Path, trainer_text:
         updated = text.rstrip("\n") + f"\n\n## Results: `{config.name}`\n\n{begin}\n{body}{end}\n"
     bench_md.write_text(updated)
     written.append(bench_md)
-    readme = ROOT / "README.md"
-    if readme.exists():
-        text = readme.read_text()
-        updated = _replace_block(text, f"<!-- bench:{config.name} -->", f"<!-- /bench:{config.name} -->", body)
-        if updated is not None and trainer_text:
-            updated = _replace_block(updated, f"<!-- trainer:{config.name} -->", f"<!-- /trainer:{config.name} -->", trainer_text) or updated
-        if updated is not None:
-            readme.write_text(updated)
-            written.append(readme)
+    blocks = [(ROOT / "README.md", f"<!-- bench:{config.name} -->", f"<!-- /bench:{config.name} -->", headline + "\n")]
+    if trainer_text:
+        blocks.append((docs / "api.md", f"<!-- trainer:{config.name} -->", f"<!-- /trainer:{config.name} -->", trainer_text))
+    for path, begin, end, block in blocks:
+        if path.exists():
+            updated = _replace_block(path.read_text(), begin, end, block)
+            if updated is not None:
+                path.write_text(updated)
+                written.append(path)
     return written
 
 
@@ -134,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="measure nothing: rebuild the tables and plot from a results.json this command wrote")
     parser.add_argument("--check", action="store_true",
                         help="exit 3 if an exact goal (FLOPs, detach_head FLOPs, inference = no-MTP, host syncs, H2D) is missed anywhere (--quick implies it)")
-    parser.add_argument("--publish", action="store_true", help="also write BENCHMARKS.md's results, the README block and docs/bench_<config>.png")
+    parser.add_argument("--publish", action="store_true", help="also write BENCHMARKS.md's results, the README's headline line, docs/api.md's trainer paragraph and docs/bench_<config>.png")
     args = parser.parse_args(argv)
     config = CONFIGS["smoke" if args.quick else args.config]
     names = [v for v in args.variants.split(",") if v]
@@ -169,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(markdown_text)
     print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png} in {raw['seconds']:.0f} s")
     if args.publish:
-        for path in publish(config, markdown_text, png, report.trainer_summary(config, result)):
+        for path in publish(config, markdown_text, png, report.headline(config, result), report.trainer_summary(config, result)):
             print(f"published {path.relative_to(ROOT)}")
     if args.check or args.quick:
         failures = failed_checks(result)

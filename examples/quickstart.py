@@ -91,19 +91,43 @@ def main() -> None:
             logits = model(input_ids, position_ids, None)
         main_loss = -(token_logprobs(logits, labels) * loss_mask).sum() / loss_mask.sum()
         main_loss.backward()  # main-loss and MTP gradients in one backward
-        mtp_grads = sum(1 for name, p in model.named_parameters() if name.startswith("mtp.") and p.grad is not None)
+        mtp_params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
+        mtp_grads = sum(1 for p in mtp_params if p.grad is not None)
         print(f"training micro-batch:  logits {list(logits.shape)}, main loss {main_loss.item():.4f}, "
               f"{mtp_grads} MTP parameters got gradients")
-        print(f"MTP metrics: {format_metrics(hooks.metrics())}")
+        trained = hooks.metrics()
+        print(f"MTP metrics: {format_metrics(trained)}")
+        problems = []
+        if list(logits.shape) != [BATCH, SEQ, VOCAB]:
+            problems.append(f"training logits {list(logits.shape)}, expected {[BATCH, SEQ, VOCAB]}")
+        if not mtp_params or any(p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.any() for p in mtp_params):
+            problems.append(f"{mtp_grads} of {len(mtp_params)} MTP parameters got a gradient (all, finite and non-zero, expected)")
+        for k in range(1, model.config.mtp_num_layers + 1):
+            if not (trained.get(f"mtp_{k}/tokens", 0) > 0 and torch.isfinite(torch.tensor(float(trained[f"mtp_{k}/loss"])))):
+                problems.append(f"no finite mtp_{k} metrics: {trained}")
 
         # Inference micro-batch (old-policy or reference log-probs): the MTP block does not run.
         with torch.no_grad():
             logits = model(input_ids, position_ids, None)
+        inference = hooks.metrics()
         print(f"inference micro-batch: logits {list(logits.shape)}, "
-              f"MTP metrics since the training micro-batch: {format_metrics(hooks.metrics())}")
+              f"MTP metrics since the training micro-batch: {format_metrics(inference)}")
+        if list(logits.shape) != [BATCH, SEQ, VOCAB] or inference:
+            problems.append(f"inference micro-batch: logits {list(logits.shape)}, MTP metrics {inference} (expected none)")
 
         hooks.remove()  # the model is stock mcore again
         print("hooks removed")
+        with torch.no_grad():  # stock mcore again: called with labels, it returns the main head's per-token loss
+            stock_loss = model(input_ids, position_ids, None, labels=labels, loss_mask=loss_mask)
+        expected_loss = -token_logprobs(logits, labels)
+        if mtp_hooks.hooks_of(model) is not None or stock_loss.shape != expected_loss.shape or not torch.allclose(
+                stock_loss.float(), expected_loss, rtol=1e-4, atol=1e-4):
+            problems.append("after remove() the model is not stock: hooks still attached, or its per-token loss "
+                            "differs from the cross-entropy of the hooked inference logits")
+        if problems:
+            print("verdict: NOT as expected: " + "; ".join(problems))
+            raise SystemExit(1)
+        print("verdict: logits and MTP gradients as expected, hooks removed cleanly")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,8 @@ def main() -> None:
         hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True)
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
         prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT_LEN), device=device)
+        history: list[dict[str, float]] = []
+        problems: list[str] = []
         for iteration in range(1, ITERATIONS + 1):
             tokens = rollout(model, prompts)
             rewards = reward(tokens)
@@ -166,10 +168,29 @@ def main() -> None:
             if iteration == 1:
                 print("  (epoch 1's loss is 0 up to rounding: the policy still is the old one, so every ratio is 1,\n"
                       "   and GRPO's advantages sum to 0 within each group of equally long completions)")
-            print(f"  MTP metrics: {format_metrics(hooks.metrics())}")
+            metrics = hooks.metrics()
+            history.append(metrics)
+            print(f"  MTP metrics: {format_metrics(metrics)}")
             if tracked:  # mean over the iteration's optimizer steps
                 print("  mcore MTP tracker: " + "  ".join(f"{name}={value.item() / EPOCHS:.4g}" for name, value in tracked.items()))
+                for name, value in tracked.items():  # "mtp_1 loss" against the hooks' token mean (equal counts per micro-batch)
+                    depth = name.split()[0]
+                    if not abs(value.item() / EPOCHS - metrics.get(f"{depth}/loss", float("nan"))) <= 2e-3 * abs(value.item() / EPOCHS):
+                        problems.append(f"iteration {iteration}: mcore's tracker {name}={value.item() / EPOCHS:.4g} differs from the hooks' metrics")
         hooks.remove()
+        depths = range(1, model.config.mtp_num_layers + 1)
+        for iteration, metrics in enumerate(history, 1):
+            if not all(metrics.get(f"mtp_{k}/tokens", 0) > 0 and float(metrics[f"mtp_{k}/loss"]) < float("inf") for k in depths):
+                problems.append(f"iteration {iteration}: not every MTP depth trained: {metrics}")
+        if problems:
+            print("verdict: NOT as expected: " + "; ".join(problems))
+            raise SystemExit(1)
+        first, last = (sum(float(m[f"mtp_{k}/loss"]) for k in depths) / len(depths) for m in (history[0], history[-1]))
+        print(f"verdict: every MTP depth trained in all {ITERATIONS} iterations through mcore's schedule"
+              + (", mcore's tracker equals the hooks' losses" if tracked else "")
+              + f"; mean MTP loss {first:.4g} -> {last:.4g} ({'fell' if last < first else 'did not fall'}: "
+              f"on random prompts each iteration trains on new completions of a changing policy, so over {ITERATIONS} "
+              "iterations it need not fall)")
 
 
 if __name__ == "__main__":

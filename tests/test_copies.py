@@ -204,7 +204,7 @@ def test_pickled_hooks_are_rebound_to_the_unpickled_model() -> None:
 def test_deepcopy_without_a_memo_fails_exactly_as_for_a_stock_twin() -> None:
     """mcore's modules hold ``ProcessGroup``s (directly and in ``pg_collection``s), which do not
     copy: a plain ``copy.deepcopy`` of a stock model raises, and of a hooked one the same. The
-    README's recipe, a memo sharing every group (``deep_copy``), copies both; the failed copy
+    recipe in docs/contract.md, a memo sharing every group (``deep_copy``), copies both; the failed copy
     leaves the original hooked and training like stock."""
     stock, model = SHAPE.build(7), SHAPE.build(7)
     hooks = mtp_hooks.attach(model)

@@ -1,5 +1,5 @@
 """The examples in ``examples/`` run as a new user runs them (``python examples/<name>.py``) and print
-finite MTP metrics for every depth.
+finite MTP metrics for every depth, a verdict line, and exactly what the README's Quickstart shows.
 
 Each runs in its own interpreter: the examples start their own process group and mcore parallel
 state, which this test session already holds. The repository root goes first on ``PYTHONPATH``
@@ -17,10 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import megatron.core
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300  # a few seconds on 2 idle cores; generous for a loaded CI machine
 METRIC = re.compile(r"(mtp_\d+/\w+)=(\S+)")
+NUMBER = re.compile(r"[-+]?\d[\d.e+-]*")
 
 
 def run_example(name: str) -> str:
@@ -36,6 +40,31 @@ def run_example(name: str) -> str:
     )
     assert result.returncode == 0, f"examples/{name} exited with {result.returncode}:\n{result.stdout}\n{result.stderr[-4000:]}"
     return result.stdout
+
+
+def readme_output(name: str) -> list[str]:
+    """The output the README's Quickstart shows for ``examples/<name>`` (a block indented in a list item)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(f"$ .venv/bin/python examples/{name}\n", 1)[1].split("```", 1)[0]
+    return [line[2:] if line.startswith("  ") else line for line in block.rstrip().splitlines()]
+
+
+def on_default_stack() -> bool:
+    """The README shows the default stack's output: the pinned megatron-core, on the CPU."""
+    pins = (ROOT / "requirements" / "py311.txt").read_text()
+    return f"megatron-core=={megatron.core.__version__}" in pins and not torch.cuda.is_available()
+
+
+def assert_readme_shows_the_output(name: str, output: str) -> None:
+    """Line for line; elsewhere than the default stack (other init or kernels), with numbers masked and
+    without the verdict, whose words follow the numbers."""
+    shown, printed = readme_output(name), output.rstrip("\n").splitlines()
+    if not on_default_stack():
+        def mask(lines: list[str]) -> list[str]:
+            return [NUMBER.sub("#", line) for line in lines if not line.startswith("verdict:")]
+
+        shown, printed = mask(shown), mask(printed)
+    assert shown == printed, f"README.md's Quickstart shows for examples/{name}:\n" + "\n".join(shown) + "\nbut it printed:\n" + "\n".join(printed)
 
 
 def metrics_lines(output: str) -> list[dict[str, float]]:
@@ -64,6 +93,8 @@ def test_quickstart_trains_mtp_on_the_training_micro_batch_and_prints_its_metric
     trained = metrics_lines(output)
     assert len(trained) == 1, output
     assert_every_depth_trained(trained[0], depths=2)
+    assert output.splitlines()[-1] == "verdict: logits and MTP gradients as expected, hooks removed cleanly", output
+    assert_readme_shows_the_output("quickstart.py", output)
 
 
 def test_rl_step_runs_grpo_iterations_through_mcores_schedule_with_mtp_metrics() -> None:
@@ -81,3 +112,7 @@ def test_rl_step_runs_grpo_iterations_through_mcores_schedule_with_mtp_metrics()
     for metrics, tracker in zip(trained, tracked):
         for k in (1, 2):
             assert float(tracker[f"mtp_{k}"]) == pytest.approx(metrics[f"mtp_{k}/loss"], rel=2e-3), output
+    verdict = output.splitlines()[-1]
+    assert verdict.startswith(f"verdict: every MTP depth trained in all {iterations} iterations"), output
+    assert ("fell" in verdict) != ("did not fall" in verdict), verdict
+    assert_readme_shows_the_output("rl_step.py", output)

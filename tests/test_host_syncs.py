@@ -193,7 +193,7 @@ def packed_step_reads(model: torch.nn.Module, hooks: Optional[mtp_hooks.MTPHooks
 @pytest.mark.parametrize("options", [{}, {"loss_impl": "dense"}, {"agreement_metrics": True}], ids=["lean", "dense", "agreement"])
 def test_padded_packed_micro_batch_reads_the_host_once_more_than_stock(options: dict[str, Any]) -> None:
     """A distinct ``cu_seqlens_q_padded`` is read once per forward (whether it differs and its widest
-    slot, together; README, Contract): the MTP layers and the targets share that layout. Against the
+    slot, together; docs/contract.md): the MTP layers and the targets share that layout. Against the
     same hooks given the slot layout itself (no distinct padded bounds), and against stock given it
     (agreement metrics roll the main head's input too, with mcore's rolls: stock has no such work)."""
     batch, given, layout = padded_packed_batch()

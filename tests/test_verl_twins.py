@@ -241,8 +241,8 @@ def test_attach_engine_mtp_attaches_every_chunk_and_remove_restores_stock() -> N
 
 
 def readme_switch() -> str:
-    """The "after" block of the README's verl migration guide (the one the user pastes into verl)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    """The "after" block of the verl migration guide (docs/verl.md; the one the user pastes into verl)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "verl.md").read_text()
     block = text.split("<!-- verl:switch -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     return textwrap.dedent(block)
 
