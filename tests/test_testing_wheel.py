@@ -28,8 +28,11 @@ CHILD = textwrap.dedent(
     """
     import sys, warnings
     warnings.simplefilter("ignore")
-    target, root = sys.argv[1], sys.argv[2]
-    assert not any(p and __import__("os").path.realpath(p) == root for p in sys.path), sys.path
+    import os
+    target, root, megatron_file = sys.argv[1:4]
+    assert not any(p and os.path.realpath(p) == root for p in sys.path), sys.path
+    import megatron.core
+    assert megatron.core.__file__ == megatron_file, (megatron.core.__file__, megatron_file)
     import mtp_hooks
     from mtp_hooks import testing
     assert mtp_hooks.__file__.startswith(target) and testing.__file__.startswith(target), (mtp_hooks.__file__, testing.__file__)
@@ -93,15 +96,16 @@ def test_installed_wheel_builds_and_trains_both_model_families_without_the_check
     assert not any(target.glob("*.pth")) and (target / "mtp_hooks" / "testing" / "__init__.py").is_file()
 
     # torch/__init__.py, wrapt/__init__.py: the folder above the package; megatron/core/__init__.py: two above
-    dependencies = {_path_entry(torch.__file__, 1), _path_entry(wrapt.__file__, 1), _path_entry(megatron.core.__file__, 2)}
+    # (megatron-core's first: a release on PYTHONPATH wins over one in site-packages, as here)
+    dependencies = list(dict.fromkeys([_path_entry(megatron.core.__file__, 2), _path_entry(torch.__file__, 1), _path_entry(wrapt.__file__, 1)]))
     assert str(ROOT.resolve()) not in dependencies, dependencies
     rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")  # this session's group holds its port
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k not in rendezvous}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), *sorted(dependencies)])
+    env["PYTHONPATH"] = os.pathsep.join([str(target), *dependencies])
     empty = tmp_path / "cwd"
     empty.mkdir()
     result = subprocess.run(
-        [sys.executable, "-S", "-c", CHILD, str(target), str(ROOT.resolve())],
+        [sys.executable, "-S", "-c", CHILD, str(target), str(ROOT.resolve()), megatron.core.__file__],
         cwd=empty, env=env, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
