@@ -18,11 +18,11 @@ from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
 
-from mtp_hooks.testing.attention import SDPAttention, _GatherSequence, context_parallel_positions  # noqa: F401
+from mtp_hooks.testing.attention import SDPAttention, context_parallel_positions  # noqa: F401
 from mtp_hooks.testing.devices import CudaToCpu as _CudaToCpu, cuda_calls_on_cpu, cuda_current_device_is_cpu  # noqa: F401
 from mtp_hooks.testing.gpt import TinyGPT  # noqa: F401
 from mtp_hooks.testing.hybrid import TinyHybrid, hybrid_mtp_missing  # noqa: F401
-from mtp_hooks.testing.kernels import _FusedWeightGradientKernels, fused_wgrad_kernel_on_cpu  # noqa: F401
+from mtp_hooks.testing.kernels import fused_wgrad_kernel_on_cpu  # noqa: F401
 from mtp_hooks.testing.parallel import free_port as _free_port, init_parallel  # noqa: F401
 from mtp_hooks.testing.specs import SequenceParallelLayerNorm, replace_module_class as _replace_module_class  # noqa: F401
 from mtp_hooks.testing.steps import (  # noqa: F401
