@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    from tests.mcore_cpu import init_parallel  # mcore's CE reads the (one-rank) TP group
+    from mtp_hooks.testing import init_parallel  # mcore's CE reads the (one-rank) TP group
 
     init_parallel()
     print(markdown([summarize(measure(args.vocab, args.tokens, args.hidden, args.rounds))]))

@@ -1,7 +1,7 @@
 """Real mcore GPT models and micro-batches for the benchmarks, on CPU or on one CUDA device.
 
 On CUDA the model is stock mcore's local spec (``DotProductAttention``, which builds its causal
-mask on the GPU). On CPU two shims from ``tests/mcore_cpu.py`` are needed and used only there:
+mask on the GPU). On CPU two shims from ``mtp_hooks.testing`` are needed and used only there:
 an SDPA core attention (mcore's local attention allocates CUDA buffers) and
 ``torch.cuda.current_device()`` answering ``"cpu"`` (mcore's MTP loss tracker asks it).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 from typing import Any, Optional
 
 import torch
@@ -19,25 +18,18 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.configs import Config, Shape
+from mtp_hooks.testing import cpu_safe_config, cuda_current_device_is_cpu, free_port, init_parallel, local_layer_spec
 
 MTP_LOSS_SCALE = 0.3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def setup(config: Config, stack: contextlib.ExitStack) -> None:
     """One-rank process group and mcore parallel state (TP = PP = CP = 1) for ``config.device``."""
     if config.device == "cpu":
-        from tests.mcore_cpu import cuda_current_device_is_cpu, init_parallel
-
         stack.enter_context(cuda_current_device_is_cpu())
         init_parallel()
         return
@@ -45,7 +37,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> None:
         raise SystemExit(f"config {config.name!r} needs a CUDA device; none is visible")
     torch.cuda.set_device(0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 
@@ -63,25 +55,15 @@ def build(config: Config, shape: Shape, mtp: Optional[int], seed: int = 1234) ->
         mtp_num_layers=mtp,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=cpu,
         params_dtype=config.dtype,
         bf16=config.dtype == torch.bfloat16,
         pipeline_dtype=config.dtype,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **cpu_safe_config(use_cpu_initialization=cpu),  # every fused kernel off
     )
     if mtp:
         kwargs["mtp_loss_scaling_factor"] = MTP_LOSS_SCALE
     transformer_config = TransformerConfig(**kwargs)
-    spec = get_gpt_layer_local_spec()
-    if cpu:
-        from tests.mcore_cpu import SDPAttention
-
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    spec = local_layer_spec(config.device)  # mcore's local spec; on CPU with an SDPA core attention
     mtp_spec = get_gpt_mtp_block_spec(transformer_config, spec, use_transformer_engine=False) if mtp else None
     model = GPTModel(
         config=transformer_config,

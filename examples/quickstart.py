@@ -25,7 +25,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 import mtp_hooks  # noqa: E402
-from cpu_support import layer_spec, megatron_runtime  # noqa: E402  (only the CPU needs more than stock mcore)
+from mtp_hooks.testing import cpu_safe_config, local_layer_spec, runtime  # noqa: E402  (only the CPU needs more than stock mcore)
 
 VOCAB = 128
 SEQ = 16
@@ -42,16 +42,10 @@ def tiny_gpt_with_mtp(device: torch.device, mtp_layers: int = 2) -> GPTModel:
         mtp_loss_scaling_factor=0.3,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
         # fused kernels need Transformer Engine / Apex / CUDA; the tiny model does without them
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **cpu_safe_config(),
     )
-    spec = layer_spec(device)
+    spec = local_layer_spec(device)  # mcore's local spec; on the CPU with an SDPA core attention
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -74,7 +68,7 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 def main() -> None:
-    with megatron_runtime() as device:
+    with runtime() as device:
         model = tiny_gpt_with_mtp(device)
         hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True)
 

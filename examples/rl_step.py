@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper  # noqa: E402
 
 import mtp_hooks  # noqa: E402
-from cpu_support import megatron_runtime  # noqa: E402  (only the CPU needs more than stock mcore)
+from mtp_hooks.testing import runtime  # noqa: E402  (only the CPU needs more than stock mcore)
 from quickstart import VOCAB, format_metrics, tiny_gpt_with_mtp, token_logprobs  # noqa: E402
 
 PROMPTS = 2
@@ -140,7 +140,7 @@ def _signed(value: float) -> str:
 
 
 def main() -> None:
-    with megatron_runtime() as device:
+    with runtime() as device:
         model = tiny_gpt_with_mtp(device)
         hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True)
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)

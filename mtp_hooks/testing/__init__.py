@@ -1,0 +1,100 @@
+"""Tiny real Megatron-Core models on CPU, for tests, examples and benchmarks (like ``torch.testing``).
+
+Stock mcore assumes CUDA in a few places a tiny run reaches. This package answers them on CPU and
+builds small real models (mcore's own ``GPTModel``, ``MultiTokenPredictionBlock``, MoE and MLA
+layers; no fake classes) next to which a hooked twin can be checked:
+
+* ``devices``: ``cuda_current_device_is_cpu()``, ``cuda_calls_on_cpu()`` (context managers);
+* ``attention``: ``SDPAttention``, a CPU core attention with GQA, MLA head dims, packed sequences
+  and context parallelism; ``specs``: ``local_layer_spec()``, ``replace_module_class``;
+* ``parallel``: ``init_parallel()`` (gloo, one process or spawned ranks), ``runtime()`` (one
+  process on the GPU if visible, else the CPU), ``free_port()``;
+* ``config``: ``cpu_safe_config()``, the ``TransformerConfig`` settings with every fused kernel off;
+* ``gpt`` / ``deepseek`` / ``hybrid``: ``TinyGPT``, ``TinyQwen`` (GQA), ``TinyDeepSeek`` (MLA + MoE,
+  inside ``moe_mla_on_cpu()``), ``TinyHybrid`` / ``TinyHybridMoE`` (megatron-core 0.18+);
+* ``kernels``: ``fused_wgrad_kernel_on_cpu()``, a CPU stand-in for Apex's fused wgrad kernel;
+* ``steps`` / ``twins``: batches, stock and hooked training steps, ``build_twins``, ``assert_same_grads``.
+
+Importing this package changes nothing in torch or megatron-core: every change is made by a context
+manager and undone on its exit. ``mtp_hooks`` itself needs none of it.
+
+Example::
+
+    from mtp_hooks import testing
+
+    testing.init_parallel()
+    with testing.cuda_current_device_is_cpu():
+        twins = testing.build_twins(testing.TinyQwen(), seed=0)
+        batch = testing.make_batch(vocab_size=64, seq=16)
+        testing.stock_train_step(twins.stock, batch)
+        testing.hooked_train_step(twins.hooked, twins.hooks, batch)
+        testing.assert_same_grads(twins.hooked, twins.stock)
+"""
+
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # megatron-core's notices, at import, that it falls back from optional fused kernels (as mtp_hooks does).
+    _warnings.filterwarnings(
+        "ignore", message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed", category=UserWarning, module=r"megatron\."
+    )
+    from mtp_hooks.testing.attention import SDPAttention, context_parallel_positions
+    from mtp_hooks.testing.config import cpu_safe_config
+    from mtp_hooks.testing.deepseek import TinyDeepSeek, deepseek_missing, moe_mla_on_cpu
+    from mtp_hooks.testing.devices import CudaToCpu, cuda_calls_on_cpu, cuda_current_device_is_cpu
+    from mtp_hooks.testing.gpt import TinyGPT, TinyQwen
+    from mtp_hooks.testing.hybrid import TinyHybrid, TinyHybridMoE, hybrid_moe_missing, hybrid_mtp_missing
+    from mtp_hooks.testing.kernels import fused_wgrad_kernel_on_cpu
+    from mtp_hooks.testing.parallel import free_port, init_parallel, runtime
+    from mtp_hooks.testing.specs import SequenceParallelLayerNorm, local_layer_spec, replace_module_class
+    from mtp_hooks.testing.steps import (
+        Batch,
+        assert_same_grads,
+        grads_of,
+        hooked_train_step,
+        main_ce_from_logits,
+        make_batch,
+        masked_mean,
+        stock_mtp_losses,
+        stock_train_step,
+        tracked_mtp_losses,
+    )
+    from mtp_hooks.testing.twins import ModelShape, TwinModels, build_twins
+
+__all__ = [
+    "Batch",
+    "CudaToCpu",
+    "ModelShape",
+    "SDPAttention",
+    "SequenceParallelLayerNorm",
+    "TinyDeepSeek",
+    "TinyGPT",
+    "TinyHybrid",
+    "TinyHybridMoE",
+    "TinyQwen",
+    "TwinModels",
+    "assert_same_grads",
+    "build_twins",
+    "context_parallel_positions",
+    "cpu_safe_config",
+    "cuda_calls_on_cpu",
+    "cuda_current_device_is_cpu",
+    "deepseek_missing",
+    "free_port",
+    "fused_wgrad_kernel_on_cpu",
+    "grads_of",
+    "hooked_train_step",
+    "hybrid_moe_missing",
+    "hybrid_mtp_missing",
+    "init_parallel",
+    "local_layer_spec",
+    "main_ce_from_logits",
+    "make_batch",
+    "masked_mean",
+    "moe_mla_on_cpu",
+    "replace_module_class",
+    "runtime",
+    "stock_mtp_losses",
+    "stock_train_step",
+    "tracked_mtp_losses",
+]
