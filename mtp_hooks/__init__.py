@@ -18,7 +18,7 @@ with _warnings.catch_warnings():
     )
     from mtp_hooks.errors import MTPHooksError, MTPHooksStateError
     from mtp_hooks.hooks import MTPHooks, attach, attached, hooks_of
-    from mtp_hooks.logprobs import TokenLogProbs
+    from mtp_hooks.ops.logprobs import TokenLogProbs
     from mtp_hooks.targets import mtp_targets
 
 __all__ = ["MTPHooks", "MTPHooksError", "MTPHooksStateError", "TokenLogProbs", "attach", "attached", "hooks_of", "mtp_targets"]

@@ -23,10 +23,10 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError
-from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
-from mtp_hooks.loss import choose_weight_grad, lean_mtp_loss
-from mtp_hooks.main_grad import follows_main_grad_protocol
-from mtp_hooks.vocab_parallel import argmax_matches
+from mtp_hooks.ops.logprobs import TokenLogProbs, lean_logprobs
+from mtp_hooks.ops.lean_loss import choose_weight_grad, lean_mtp_loss
+from mtp_hooks.ops.main_grad import follows_main_grad_protocol
+from mtp_hooks.ops.vocab_parallel import argmax_matches
 from mtp_hooks.options import Options
 from mtp_hooks.stock_head import reproducible_head
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets

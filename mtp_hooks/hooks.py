@@ -229,7 +229,7 @@ def attach(
             the position predicting the same token. ``"tv"``: total variation to that
             distribution, i.e. 1 - expected speculative-sampling acceptance ``alpha``.
             ``"accept"``: ``-log alpha`` per token (tv's gradient divided by ``alpha``: it does not
-            fade where the draft is rarely accepted; see ``mtp_hooks.objectives``).
+            fade where the draft is rarely accepted; see ``mtp_hooks.ops.objectives``).
         agreement_metrics: also report per depth ``mtp_k/agree`` (MTP argmax equals the main
             head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``),
             and ``mtp/accept_len`` (expected accepted draft tokens, ``MTPHooks.metrics``); costs

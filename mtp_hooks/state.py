@@ -20,7 +20,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from mtp_hooks import heads
-from mtp_hooks.logprobs import TokenLogProbs
+from mtp_hooks.ops.logprobs import TokenLogProbs
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from mtp_hooks import _mcore, heads
 from mtp_hooks.interrupts import forwards_on_stack
-from mtp_hooks.logprobs import with_zero_gradient_to
+from mtp_hooks.ops.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
 from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
 from mtp_hooks.state import ForwardState, Originals

@@ -23,7 +23,7 @@ from torch import Tensor
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
-from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
+from mtp_hooks.ops.lean_loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.probes import LargestOutput
 from tests.twins import hooked_step

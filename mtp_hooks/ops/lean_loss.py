@@ -41,9 +41,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.main_grad import HeadWeightGrad
-from mtp_hooks.objectives import OBJECTIVES, check_temperature, draft_statistics, logit_grad, tempered_exp_
-from mtp_hooks.vocab_parallel import (
+from mtp_hooks.ops.main_grad import HeadWeightGrad
+from mtp_hooks.ops.objectives import OBJECTIVES, check_temperature, draft_statistics, logit_grad, tempered_exp_
+from mtp_hooks.ops.vocab_parallel import (
     ProcessGroup,
     accumulation_dtype,
     all_reduce,
@@ -51,7 +51,7 @@ from mtp_hooks.vocab_parallel import (
     first_argmax_candidates,
     shard_targets,
 )
-from mtp_hooks.workspace import Workspace
+from mtp_hooks.ops.workspace import Workspace
 
 _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
 
