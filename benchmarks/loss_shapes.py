@@ -12,7 +12,7 @@ One MTP depth's loss on ``tokens`` hidden states of size ``hidden`` with an outp
 * ``fused`` / ``recompute``: ``mtp_hooks.ops.lean_loss.lean_mtp_loss`` with mcore's gradient-accumulation
   protocol in effect (the weight carries an fp32 ``main_grad`` and ``grad_added_to_main_grad``,
   as under mcore DDP with ``gradient_accumulation_fusion=True``), chunk size from
-  ``heads.auto_chunk_size``.
+  ``ops.chunking.auto_chunk_size``.
 * ``logprobs``: ``mtp_hooks.ops.logprobs.lean_logprobs`` (``output="logprobs"``) with entropy.
 * ``accept``, ``accept_T0.7``: the fused path with ``objective="accept"`` against a teacher (the main
   head's input at the matching position) at temperature 1 and 0.7: stock's FLOPs plus the
@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.counters import HostSyncs, HostToDevice, LiveBytes, count_flops
 from benchmarks.report import ratio_range, time_ratio, time_verdict, verdict
-from mtp_hooks.heads import auto_chunk_size
+from mtp_hooks.ops.chunking import auto_chunk_size
 from mtp_hooks.ops.logprobs import lean_logprobs
 from mtp_hooks.ops.lean_loss import lean_mtp_loss
 

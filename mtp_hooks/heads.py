@@ -10,7 +10,6 @@ head in chunks for ``output="logprobs"``. Nothing here registers or removes hook
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,34 +22,19 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.metrics import DepthSums
 from mtp_hooks.ops.logprobs import TokenLogProbs, lean_logprobs
-from mtp_hooks.ops.lean_loss import choose_weight_grad, lean_mtp_loss
+from mtp_hooks.ops.chunking import auto_chunk_size
+from mtp_hooks.ops.lean_loss import lean_mtp_loss
 from mtp_hooks.ops.main_grad import follows_main_grad_protocol
-from mtp_hooks.ops.vocab_parallel import argmax_matches
+from mtp_hooks.ops.vocab_parallel import argmax_matches, group_size
+from mtp_hooks.ops.weight_grad import choose_weight_grad
 from mtp_hooks.options import Options
 from mtp_hooks.stock_head import reproducible_head
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
-# (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance,
-#  chained acceptance of depths 1..k and its positions (``chain_sums``)])
-DepthSums = tuple[Any, ...]
 # Calls the output layer on (hidden, weight) without the hooks' own pre-hook acting on the call.
 HeadCall = Callable[[Tensor, Tensor], Tensor]
-
-_LOGITS_CHUNK_BYTES = 256 * 2**20
-
-
-def auto_chunk_size(vocab_shard: int, tokens: int) -> int:
-    """Tokens per lean chunk, from a memory budget: the largest power of two whose fp32 logits
-    ``[chunk, V/tp]`` fit in 256 MiB (at least 16 tokens), and no more than the tokens there are.
-
-    Only one chunk's temporaries are alive at a time, so the budget bounds the loss's working
-    memory whatever the sequence length; fewer, larger GEMMs keep lean's time at stock's.
-    """
-    budget = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
-    chunk = max(16, 2 ** int(math.log2(max(budget, 1))))
-    return min(chunk, max(tokens, 1))
-
 
 def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
     """The MTP block's ``[(1+N)s, b, h]`` output as 1 + N equal chunks (main, depth 1, ..., N)."""
@@ -64,7 +48,7 @@ def head_input(layer: nn.Module, hidden: Tensor, tp_group: Any) -> Tensor:
     """What ``ColumnParallelLinear`` multiplies: SP-gathered or copied into the TP region."""
     if getattr(layer, "sequence_parallel", False):
         return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
-    if _mcore.group_size(tp_group) > 1:
+    if group_size(tp_group) > 1:
         return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
     return hidden
 

@@ -223,7 +223,7 @@ def attach(
             ``"recompute"`` force a path; ``"dense"`` computes logits with the output layer and
             mcore's own CE, as stock mcore does. ``loss_path`` says which path ran.
         chunk_size: tokens per chunk of the lean loss and log-probs; ``None``: the largest power
-            of two whose fp32 logits fit 256 MiB (``heads.auto_chunk_size``).
+            of two whose fp32 logits fit 256 MiB (``ops.chunking.auto_chunk_size``).
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
             labels. ``"distill"``: cross-entropy against the main head's detached distribution at
             the position predicting the same token. ``"tv"``: total variation to that

@@ -7,8 +7,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.ops.lean_loss import OBJECTIVES
-from mtp_hooks.ops.objectives import Objective, check_temperature
+from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
