@@ -18,7 +18,7 @@ model that forward runs (``ForwardState.model``), never on a stored reference.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
@@ -40,6 +40,7 @@ class SubmoduleHooks:
     depth: int
     forward: Optional[ForwardState]
     _originals: Originals
+    recover_abandoned: Callable[..., None]  # ``ForwardHooks``: drops a forward an interrupt abandoned
 
     def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         state = self.forward
@@ -81,7 +82,7 @@ class SubmoduleHooks:
             return False
         if forwards_on_stack(state.model, state.thread, 1):
             return True
-        self.recover_abandoned()  # type: ignore[attr-defined]
+        self.recover_abandoned()
         return False
 
     def on_output_layer_first(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
