@@ -72,8 +72,7 @@ class MTPHooks:
     @property
     def loss_scale(self) -> float:
         """Total MTP loss weight (split evenly over depths), as used by the next forward."""
-        scale = self.options.loss_scale
-        return self.model.config.mtp_loss_scaling_factor if scale is None else scale
+        return self.options.mtp_loss_scale(self.model.config)
 
     @property
     def loss_path(self) -> Optional[str]:

@@ -101,6 +101,11 @@ class Options:
         """Whether each depth is scored against the main head (agreement metrics, draft objectives)."""
         return self.agreement_metrics or self.objective != "ce"
 
+    def mtp_loss_scale(self, config: Any) -> Any:
+        """The total MTP loss weight (split evenly over depths): ``loss_scale``, or where it is
+        ``None`` the model's ``config.mtp_loss_scaling_factor`` as it reads now."""
+        return config.mtp_loss_scaling_factor if self.loss_scale is None else self.loss_scale
+
     def check_config(self, config: Any) -> None:
         """Refuse options that the model's config leaves undefined."""
         if self.loss_scale is None and config.mtp_loss_scaling_factor is None:

@@ -26,6 +26,7 @@ from mtp_hooks import _mcore, heads
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.ops.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
+from mtp_hooks.output_head import Head
 from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
 from mtp_hooks.state import ForwardState, Originals
 from mtp_hooks.targets import packed_layout
@@ -107,29 +108,23 @@ class SubmoduleHooks:
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
+        if not state.train and state.head_labels is None:
+            return (args, kwargs) if state.output_weight is not None else None
+        head = Head.of(layer, weight, self.options.chunk_size, lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight))
         if state.train:
             assert state.targets is not None
             model = state.model
             detach = self.options.detach_head or _mcore.config_detaches_heads(model.config)
+            batch = heads.MTPBatch(state.targets.labels, state.targets.loss_mask, self.depth, state.packed_seq_params, state.packed_layout)
+            loss_scale = self.options.mtp_loss_scale(model.config)
+            if state.loss_scale is not None:  # this micro-batch's multiplier
+                loss_scale = loss_scale * state.loss_scale
             hidden, state.metrics, state.loss_path = heads.attach_mtp_losses(
-                self.options,
-                model,
-                layer,
-                hidden,
-                self.depth,
-                weight.detach() if detach else weight,
-                state.targets.labels,
-                state.targets.loss_mask,
-                state.packed_seq_params,
-                lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
-                state.loss_scale,
-                state.packed_layout,
+                self.options, model, head.detached() if detach else head, hidden, batch, loss_scale
             )
             state.attached = True
-        elif state.head_labels is None:
-            return (args, kwargs) if state.output_weight is not None else None
         if state.head_labels is not None and state.head_output is None:
-            state.head_output = heads.head_logprobs(self.options, layer, hidden, weight, state.head_labels)
+            state.head_output = heads.head_logprobs(self.options, head, hidden, state.head_labels)
             # mcore's own head call still runs, on one position; its logits are dropped, and it gets
             # its (zero) gradient through the log-probs (``on_output_layer_post``).
             hidden = state.head_call = hidden[:1]
