@@ -29,7 +29,6 @@ from mtp_hooks.output_head import Head
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
 
-
 class MTPBatch(NamedTuple):
     """One training micro-batch as the MTP heads take it: the user's targets, the model's N MTP
     depths and the forward's packing (``packed_layout``: the MTP block's ``targets.packed_layout``,
