@@ -9,11 +9,11 @@ One MTP depth's loss on ``tokens`` hidden states of size ``hidden`` with an outp
 
 * ``stock``: what stock mcore computes per depth: ``hidden @ W.T`` logits, mcore's
   ``vocab_parallel_cross_entropy``, the masked sum times the depth's coefficient; plain autograd.
-* ``fused`` / ``recompute``: ``mtp_hooks.loss.lean_mtp_loss`` with mcore's gradient-accumulation
+* ``fused`` / ``recompute``: ``mtp_hooks.ops.lean_loss.lean_mtp_loss`` with mcore's gradient-accumulation
   protocol in effect (the weight carries an fp32 ``main_grad`` and ``grad_added_to_main_grad``,
   as under mcore DDP with ``gradient_accumulation_fusion=True``), chunk size from
-  ``heads.auto_chunk_size``.
-* ``logprobs``: ``mtp_hooks.logprobs.lean_logprobs`` (``output="logprobs"``) with entropy.
+  ``ops.chunking.auto_chunk_size``.
+* ``logprobs``: ``mtp_hooks.ops.logprobs.lean_logprobs`` (``output="logprobs"``) with entropy.
 * ``accept``, ``accept_T0.7``: the fused path with ``objective="accept"`` against a teacher (the main
   head's input at the matching position) at temperature 1 and 0.7: stock's FLOPs plus the
   teacher's logits (one head matmul in forward, its weight detached), and one more chunk of fp32
@@ -39,9 +39,9 @@ import torch
 
 from benchmarks.counters import HostSyncs, HostToDevice, LiveBytes, count_flops
 from benchmarks.report import ratio_range, time_ratio, time_verdict, verdict
-from mtp_hooks.heads import auto_chunk_size
-from mtp_hooks.logprobs import lean_logprobs
-from mtp_hooks.loss import lean_mtp_loss
+from mtp_hooks.ops.chunking import auto_chunk_size
+from mtp_hooks.ops.logprobs import lean_logprobs
+from mtp_hooks.ops.lean_loss import lean_mtp_loss
 
 
 def _inputs(vocab: int, tokens: int, hidden: int, protocol: bool) -> dict[str, Any]:

@@ -17,8 +17,9 @@ with _warnings.catch_warnings():
         "ignore", message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed", category=UserWarning, module=r"megatron\."
     )
     from mtp_hooks.errors import MTPHooksError, MTPHooksStateError
-    from mtp_hooks.hooks import MTPHooks, attach, attached, hooks_of
-    from mtp_hooks.logprobs import TokenLogProbs
+    from mtp_hooks.api import attach, attached, hooks_of
+    from mtp_hooks.handle import MTPHooks
+    from mtp_hooks.ops.logprobs import TokenLogProbs
     from mtp_hooks.targets import mtp_targets
 
 __all__ = ["MTPHooks", "MTPHooksError", "MTPHooksStateError", "TokenLogProbs", "attach", "attached", "hooks_of", "mtp_targets"]

@@ -203,10 +203,3 @@ def cp_group_of(model: nn.Module, packed_seq_params: Any = None) -> Optional[tor
         group = getattr(pg_collection, "cp", None)
     return group
 
-
-def group_size(group: Optional[torch.distributed.ProcessGroup]) -> int:
-    return 1 if group is None else group.size()
-
-
-def group_rank(group: Optional[torch.distributed.ProcessGroup]) -> int:
-    return 0 if group is None else group.rank()

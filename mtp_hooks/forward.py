@@ -6,26 +6,22 @@ A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
    takes ``labels`` / ``loss_mask`` out of the call so mcore returns logits, picks the forward's
    targets (``forward_targets``: the call's, the ``micro_batch`` block's, or a checkpoint
    recompute's) and decides training or inference. It changes nothing on the model.
-2. decoder forward hook (``on_decoder_post``, kept last): an inference forward opens the window
-   (``state``): ``mtp_process = False``, so the MTP block does not run.
-3. MTP block pre-hook: packed batches get the padded layout; MTP layer pre-hooks
-   (``detach_encoder``): a ``DetachedEmbedding`` and detached trunk hidden states.
-4. MTP block forward hook (``on_mtp_block_post``, kept last): remembers the block's output and
-   opens the training window (stock's own MTP loss off, ``_mcore``).
-5. output-layer pre-hook kept first (``on_output_layer_first``): closes the window, so the model is
-   stock again before any user hook; the main pre-hook (``on_output_layer_pre``) computes the MTP
-   losses on the call that carries the block's output (``heads``) and the log-prob output.
+2. - 5. the submodule hooks (``submodule_hooks``): the decoder's (inference) or the MTP block's
+   (training) forward hook, kept last, opens the window (``state``) that keeps stock's own MTP
+   loss off; the output layer's pre-hook kept first closes it before any user hook, and the main
+   pre-hook computes the MTP losses on the call that carries the block's output (``heads``).
 6. model forward hooks (``always_call``): ``on_model_post``, in registration order, closes the
    window if a fault left it open and returns the log-prob output; ``on_model_done``, kept last,
    counts the forward's metrics only if the forward and every hook before it completed, and
    releases the lock.
-Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks: ``copies``. A forward
-inside ``torch.utils.checkpoint`` binds its targets to that checkpoint call, and its recompute in
-backward takes them from there: ``recompute``.
+Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks (``ForwardHooks.__deepcopy__``).
+A forward inside ``torch.utils.checkpoint`` binds its targets to that checkpoint call, and its
+recompute in backward takes them from there: ``recompute``.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 import weakref
@@ -37,10 +33,9 @@ from torch import nn
 from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale
-from mtp_hooks.copies import CopyableHooks
 from mtp_hooks.errors import bad_argument, bad_state, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
-from mtp_hooks.main_grad import mark_shared_copy, unmark_shared_copy
+from mtp_hooks.ops.main_grad import mark_shared_copy, unmark_shared_copy
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
 from mtp_hooks.proxies import config_view
@@ -50,8 +45,16 @@ from mtp_hooks.state import ForwardState, MicroBatch, Originals
 from mtp_hooks.submodule_hooks import SubmoduleHooks
 
 
-class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
-    """The hooks of one language model and the state they share between and within forwards."""
+# Bound to one model: made afresh by ``_bind`` for a copy, never copied.
+_PER_MODEL = ("pending", "forward", "_model_ref", "_originals", "_lock", "_recovering", "_refused", "_bound", "_marked")
+
+
+class ForwardHooks(ForwardTargets, SubmoduleHooks):
+    """The hooks of one language model and the state they share between and within forwards.
+
+    A deep copy (or pickle) of the hooked model copies this object too, as torch's hook dicts hold
+    its bound methods; the copy is rebound to the copied model (``__deepcopy__``).
+    """
 
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
@@ -64,7 +67,7 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
         self._bind(model, model.config, bool(model.mtp_process))
 
     def _bind(self, model: nn.Module, config: Any, mtp_process: bool) -> None:
-        """(Re)bind to ``model``: also what a copy of a hooked model does (``copies``)."""
+        """(Re)bind to ``model``: also what a copy of a hooked model does (``__deepcopy__``)."""
         self.pending: Optional[MicroBatch] = None
         self.forward: Optional[ForwardState] = None
         self._model_ref = weakref.ref(model)
@@ -261,3 +264,45 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks, CopyableHooks):
         unmark_shared_copy(self._marked)
         self._marked = None
 
+    # ------------------------------------------------------------------------ copies
+    def _refuse_mid_forward(self, call: str) -> None:
+        self.recover_abandoned()
+        if self.forward is not None:
+            raise bad_state(call, "no forward of the model in flight while it is copied", "a copy taken inside a forward")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ForwardHooks:
+        """Bound to the model's copy (deepcopy's memo maps the model to it; pickling carries the model
+        itself), with a fresh lock and no forward or targets in flight; refused mid-forward.
+        ``RemovableHandle`` copies through ``__getstate__`` / ``__setstate__`` onto the copied dicts."""
+        self._refuse_mid_forward("copy.deepcopy")
+        model = self.alive_model
+        copied_model = memo.get(id(model)) if model is not None else None
+        if copied_model is None:
+            raise bad_state(
+                "copy.deepcopy",
+                "a deep copy of the hooked model (its copy gets its own hooks), or attach() on a copy",
+                "a deep copy of the hooks without their model",
+            )
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name not in _PER_MODEL:
+                new.__dict__[name] = copy.deepcopy(value, memo)
+        originals = self._originals
+        new._bind(copied_model, copy.deepcopy(originals.config, memo), originals.mtp_process)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._refuse_mid_forward("pickle")
+        model = self.alive_model
+        if model is None:
+            raise bad_state("pickle", "hooks whose model exists", "hooks whose model was garbage-collected")
+        state = {name: value for name, value in self.__dict__.items() if name not in _PER_MODEL}
+        originals = self._originals
+        state["_copy_of"] = (model, originals.config, originals.mtp_process)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        model, config, mtp_process = state.pop("_copy_of")
+        self.__dict__.update(state)
+        self._bind(model, config, mtp_process)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
@@ -30,6 +30,7 @@ class ForwardTargets:
     pending: Optional[MicroBatch]  # this thread's open block's targets
     _bound: BoundTargets
     _warned_unused: bool
+    recover_abandoned: Callable[..., None]  # ``ForwardHooks``: drops a forward an interrupt abandoned
 
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any = None) -> MicroBatch:
         """Make ``labels`` / ``loss_mask`` the targets of this thread's ``with micro_batch`` block.
@@ -38,7 +39,7 @@ class ForwardTargets:
         targets already: it arms nothing, so a block open around the backward is left alone."""
         if enclosing_regions().recompute is not None:
             return MicroBatch(labels, loss_mask, loss_scale, used=True, entered=True)
-        self.recover_abandoned()  # type: ignore[attr-defined]
+        self.recover_abandoned()
         pending = self.pending
         if pending is not None and pending.thread != threading.get_ident():
             raise other_thread("micro_batch", "a micro_batch")

@@ -10,47 +10,35 @@ head in chunks for ``output="logprobs"``. Nothing here registers or removes hook
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError
-from mtp_hooks.logprobs import TokenLogProbs, lean_logprobs
-from mtp_hooks.loss import choose_weight_grad, lean_mtp_loss
-from mtp_hooks.main_grad import follows_main_grad_protocol
-from mtp_hooks.vocab_parallel import argmax_matches
+from mtp_hooks.metrics import DepthSums
+from mtp_hooks.ops.logprobs import TokenLogProbs, lean_logprobs
+from mtp_hooks.ops.lean_loss import lean_mtp_loss
+from mtp_hooks.ops.vocab_parallel import argmax_matches
+from mtp_hooks.ops.weight_grad import choose_weight_grad
 from mtp_hooks.options import Options
-from mtp_hooks.stock_head import reproducible_head
+from mtp_hooks.output_head import Head
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
-# (depth index, masked CE sum, masked tokens, masked correct[, masked agreements, masked acceptance,
-#  chained acceptance of depths 1..k and its positions (``chain_sums``)])
-DepthSums = tuple[Any, ...]
-# Calls the output layer on (hidden, weight) without the hooks' own pre-hook acting on the call.
-HeadCall = Callable[[Tensor, Tensor], Tensor]
 
-_LOGITS_CHUNK_BYTES = 256 * 2**20
+class MTPBatch(NamedTuple):
+    """One training micro-batch as the MTP heads take it: the user's targets, the model's N MTP
+    depths and the forward's packing (``packed_layout``: the MTP block's ``targets.packed_layout``,
+    computed once per forward; ``None``: computed from ``packed_seq_params``)."""
 
-
-def auto_chunk_size(vocab_shard: int, tokens: int) -> int:
-    """Tokens per lean chunk, from a memory budget: the largest power of two whose fp32 logits
-    ``[chunk, V/tp]`` fit in 256 MiB (at least 16 tokens), and no more than the tokens there are.
-
-    Only one chunk's temporaries are alive at a time, so the budget bounds the loss's working
-    memory whatever the sequence length; fewer, larger GEMMs keep lean's time at stock's.
-    """
-    budget = _LOGITS_CHUNK_BYTES // (4 * max(vocab_shard, 1))
-    chunk = max(16, 2 ** int(math.log2(max(budget, 1))))
-    return min(chunk, max(tokens, 1))
-
+    labels: Tensor
+    loss_mask: Optional[Tensor]
+    depth: int
+    packed_seq_params: Any = None
+    packed_layout: Any = None
 
 def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
     """The MTP block's ``[(1+N)s, b, h]`` output as 1 + N equal chunks (main, depth 1, ..., N)."""
@@ -60,48 +48,25 @@ def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
     return chunks
 
 
-def head_input(layer: nn.Module, hidden: Tensor, tp_group: Any) -> Tensor:
-    """What ``ColumnParallelLinear`` multiplies: SP-gathered or copied into the TP region."""
-    if getattr(layer, "sequence_parallel", False):
-        return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=tp_group)
-    if _mcore.group_size(tp_group) > 1:
-        return copy_to_tensor_model_parallel_region(hidden, group=tp_group)
-    return hidden
-
-
 def attach_mtp_losses(
-    options: Options,
-    model: nn.Module,
-    layer: nn.Module,
-    block_output: Tensor,
-    depth: int,
-    weight: Tensor,
-    labels: Tensor,
-    loss_mask: Optional[Tensor],
-    packed_seq_params: Any,
-    call_head: HeadCall,
-    micro_batch_scale: Any = None,
-    packed_layout: Any = None,
+    options: Options, model: nn.Module, head: Head, block_output: Tensor, batch: MTPBatch, loss_scale: Any
 ) -> tuple[Tensor, list[DepthSums], str]:
-    """Hang every depth's MTP loss on the main chunk of ``block_output`` ``[(1+N)s, b, h]``, N = ``depth``.
+    """Hang every depth's MTP loss on the main chunk of ``block_output`` ``[(1+N)s, b, h]``, N = ``batch.depth``.
 
     Returns the main chunk (carrying the losses), the per-depth metric sums and the loss path
-    taken (``loss_path``). ``weight`` is the output weight the MTP heads use (already detached
-    when they must not train it). Normalisation follows the installed mcore release
-    (``_mcore.depth_coefficient``) unless ``options.per_token_rescale`` picks a rule;
-    ``micro_batch_scale`` (a float or 0-d tensor, ``None`` = 1) multiplies the total weight.
-    Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has one, by
-    ``packed_layout`` (the MTP block's ``targets.packed_layout``, computed once per forward) when
-    given. An output layer whose call the lean path does not reproduce
+    taken (``loss_path``). ``head.weight`` is the output weight the MTP heads use (already
+    detached when they must not train it). ``loss_scale`` (a float or 0-d tensor) is the total
+    MTP weight, split evenly over the depths (``Options.mtp_loss_scale``); normalisation follows
+    the installed mcore release (``_mcore.depth_coefficient``) unless ``options.per_token_rescale``
+    picks a rule. Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has
+    one, by ``batch.packed_layout`` when given. An output layer whose call the lean path does not reproduce
     (``stock_head.reproducible_head``: its own ``forward``, TE's layer, foreign hooks) takes the
     dense path: stock's MTP heads call the output layer, so what it does (soft-capping, adapters,
     monitors) acts on them, and only a real call reproduces that; the draft objectives and
     agreement metrics, lean only, are refused there.
     """
+    labels, loss_mask, depth, packed_seq_params, packed_layout = batch
     chunks = split_block_output(block_output, depth)
-    loss_scale: Any = model.config.mtp_loss_scaling_factor if options.loss_scale is None else options.loss_scale
-    if micro_batch_scale is not None:
-        loss_scale = loss_scale * micro_batch_scale
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
     cp_group = _mcore.cp_group_of(model, packed_seq_params)
     layout = roll_layout(packed_seq_params, cp_group, packed_layout)
@@ -110,57 +75,50 @@ def attach_mtp_losses(
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
     rule = (loss_scale / depth, per_token, original_tokens)
-    reproducible = reproducible_head(layer)
-    if not reproducible and options.compares_with_main_head:
+    if not head.reproducible and options.compares_with_main_head:
         raise MTPHooksError(
             f"objective: {options.objective!r} (and agreement_metrics) compute the MTP logits without calling the output layer, "
             "which would bypass what its calls do\n"
             "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
             "its own, no hooks other than mtp_hooks' own)\n"
-            f"  received: a {type(layer).__name__} whose call does more; use objective='ce' without agreement_metrics "
+            f"  received: a {type(head.layer).__name__} whose call does more; use objective='ce' without agreement_metrics "
             "(the dense path then calls it, as stock)"
         )
-    if options.loss_impl == "dense" or not reproducible:
+    if options.loss_impl == "dense" or not head.reproducible:
         main, sums = chunks[0], []
         for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
             scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(ce, *rule, n, options.per_token_rescale)  # noqa: E731
-            objective, ce_sum, correct = _dense_depth_loss(model, layer, chunk, weight, labels_k, mask_k, scale, call_head)
+            objective, ce_sum, correct = _dense_depth_loss(model, head, chunk, labels_k, mask_k, scale)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
             sums.append((k, ce_sum, tokens[k], correct))
         return main, sums, "dense"
     coefs = [_mcore.depth_coefficient(*rule, n, options.per_token_rescale) for n in tokens]
     teachers = None
     if options.compares_with_main_head:
-        teachers = _main_head_inputs(layer, chunks[0], depth, layout, cp_group)
-    objective, sums, path = _lean_loss(options, layer, block_output[chunks[0].shape[0] :], chunks, weight, targets, tokens, coefs, teachers)
+        teachers = _main_head_inputs(head, chunks[0], depth, layout, cp_group)
+    objective, sums, path = _lean_loss(options, head, block_output[chunks[0].shape[0] :], chunks, targets, tokens, coefs, teachers)
     return _mcore.MTPLossAutoScaler.apply(chunks[0], objective), sums, path
 
 
 def _dense_depth_loss(
-    model: nn.Module,
-    layer: nn.Module,
-    chunk: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    mask: Tensor,
-    scale: Callable[[Tensor], Tensor],
-    call_head: HeadCall,
+    model: nn.Module, head: Head, chunk: Tensor, labels: Tensor, mask: Tensor, scale: Callable[[Tensor], Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One depth as stock computes it: logits from the output layer, mcore's own CE, stock's
     scaling of the masked per-token CE (``scale``), so every gradient is stock's to the bit."""
     labels_sb, mask_sb = labels.t(), mask.t()  # [s, b], like the hidden states
-    logits = call_head(chunk, weight)
-    correct = argmax_matches(logits, labels_sb, _mcore.tp_group_of(layer))  # before mcore's CE, which may write into logits
+    if head.call is None:
+        raise AssertionError("mtp_hooks: the dense MTP path needs the output layer's own call (Head.call)")
+    logits = head.call(chunk, head.weight)
+    correct = argmax_matches(logits, labels_sb, head.tp_group)  # before mcore's CE, which may write into logits
     ce = model.compute_language_model_loss(labels, logits)
     return scale(mask * ce).sum(), (ce.detach().t() * mask_sb).sum(), (correct * mask_sb).sum()
 
 
 def _lean_loss(
     options: Options,
-    layer: nn.Module,
+    head: Head,
     depth_slab: Tensor,
     chunks: tuple[Tensor, ...],
-    weight: Tensor,
     targets: list[tuple[Tensor, Tensor]],
     tokens: list[Tensor],
     coefs: list[Any],
@@ -171,11 +129,11 @@ def _lean_loss(
     ``depth_slab`` is chunks 1..N of the block output as one view; tokens are ordered depth by
     depth, each in ``[s, b]`` order, and every depth's tokens carry its own coefficient.
     """
-    tp_group = _mcore.tp_group_of(layer)
-    if getattr(layer, "sequence_parallel", False):  # gather each depth's sequence shards apart
-        hidden = torch.cat([head_input(layer, chunk, tp_group) for chunk in chunks[1:]])
+    weight = head.weight
+    if head.sequence_parallel:  # gather each depth's sequence shards apart
+        hidden = torch.cat([head.input(chunk) for chunk in chunks[1:]])
     else:
-        hidden = head_input(layer, depth_slab, tp_group)
+        hidden = head.input(depth_slab)
     depth = len(targets)
     per_depth = hidden.shape[0] * hidden.shape[1] // depth
     masks = torch.stack([mask_k.t().reshape(-1) for _labels_k, mask_k in targets])  # [N, T]
@@ -189,12 +147,12 @@ def _lean_loss(
         weight,
         torch.cat([labels_k.t().reshape(-1) for labels_k, _mask_k in targets]),
         token_weight.reshape(-1),
-        tp_group,
-        options.chunk_size or auto_chunk_size(weight.shape[0], per_depth),
+        head.tp_group,
+        head.chunk(per_depth),
         options.objective,
         None if teachers is None else torch.cat([t.reshape(-1, t.shape[-1]) for t in teachers]),
         weight_grad=path,
-        main_grad_protocol=follows_main_grad_protocol(layer, weight),
+        main_grad_protocol=head.main_grad_protocol,
         temperature=options.draft_temperature,
     )
 
@@ -219,42 +177,41 @@ def chain_sums(accept: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
     return (accept.cumprod(dim=0) * chain).sum(dim=1), chain.sum(dim=1)
 
 
-def _main_head_inputs(layer: nn.Module, main: Tensor, depth: int, layout: Any, cp_group: Any) -> list[Tensor]:
+def _main_head_inputs(head: Head, main: Tensor, depth: int, layout: Any, cp_group: Any) -> list[Tensor]:
     """Per depth k, the main head's (detached, SP-gathered) input at position t + k, for the
     draft objectives and agreement metrics (``targets.align_with_depths``)."""
     with torch.no_grad():
-        if getattr(layer, "sequence_parallel", False):
-            main = gather_from_sequence_parallel_region(main, group=_mcore.tp_group_of(layer))
+        if head.sequence_parallel:
+            main = gather_from_sequence_parallel_region(main, group=head.tp_group)
         return align_with_depths(main, depth, layout=layout, cp_group=cp_group)
 
 
-def head_logprobs(options: Options, layer: nn.Module, hidden: Tensor, weight: Tensor, labels: Tensor) -> TokenLogProbs:
+def head_logprobs(options: Options, head: Head, hidden: Tensor, labels: Tensor) -> TokenLogProbs:
     """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``.
 
     Scores the labels without calling the output layer, so what its calls do (hooks, a
     ``forward`` of its own) would not act on the log-probs: a head that is not
     ``reproducible_head`` is refused.
     """
-    if not reproducible_head(layer):
+    if not head.reproducible:
         raise MTPHooksError(
             "output: output='logprobs' computes the log-probs without calling the output layer, so what its calls do "
             "(hooks registered on it or torch's global module hooks, a forward or _forward_impl of its own class) "
             "would not act on them\n"
             "  expected: an output layer whose call mcore's own ColumnParallelLinear makes, without hooks other than mtp_hooks' own\n"
-            f"  received: a {type(layer).__name__} whose call does more; use output='logits' (the default) to keep it"
+            f"  received: a {type(head.layer).__name__} whose call does more; use output='logits' (the default) to keep it"
         )
-    tp_group = _mcore.tp_group_of(layer)
-    full = head_input(layer, hidden, tp_group)
+    full = head.input(hidden)
     s, b = full.shape[0], full.shape[1]
     out = lean_logprobs(
         full.reshape(s * b, -1),
-        weight,
+        head.weight,
         labels.t().reshape(-1),
-        tp_group,
-        options.chunk_size or auto_chunk_size(weight.shape[0], s * b),
+        head.tp_group,
+        head.chunk(s * b),
         options.temperature,
         options.entropy,
-        main_grad_protocol=follows_main_grad_protocol(layer, weight),
+        main_grad_protocol=head.main_grad_protocol,
     )
 
     def as_bs(tensor: Tensor) -> Tensor:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+# One depth of one micro-batch, as ``MTPMetrics.add`` takes it: (depth index, masked CE sum, masked
+# tokens, masked correct[, masked agreements, masked acceptance, chained acceptance of depths 1..k
+# and its positions (``heads.chain_sums``)]).
+DepthSums = tuple[Any, ...]
 
 _COLUMNS = 7  # ce, tokens, correct, agree, accept, chain, chain_tokens
 

@@ -7,8 +7,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.loss import OBJECTIVES
-from mtp_hooks.objectives import Objective, check_temperature
+from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
@@ -101,6 +100,11 @@ class Options:
     def compares_with_main_head(self) -> bool:
         """Whether each depth is scored against the main head (agreement metrics, draft objectives)."""
         return self.agreement_metrics or self.objective != "ce"
+
+    def mtp_loss_scale(self, config: Any) -> Any:
+        """The total MTP loss weight (split evenly over depths): ``loss_scale``, or where it is
+        ``None`` the model's ``config.mtp_loss_scaling_factor`` as it reads now."""
+        return config.mtp_loss_scaling_factor if self.loss_scale is None else self.loss_scale
 
     def check_config(self, config: Any) -> None:
         """Refuse options that the model's config leaves undefined."""

@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from mtp_hooks import heads
-from mtp_hooks.logprobs import TokenLogProbs
+from mtp_hooks.metrics import DepthSums
+from mtp_hooks.ops.logprobs import TokenLogProbs
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class ForwardState:
     attached: bool = False
     loss_path: Optional[str] = None
     in_own_head_call: bool = False
-    metrics: list[heads.DepthSums] = dataclasses.field(default_factory=list)
+    metrics: list[DepthSums] = dataclasses.field(default_factory=list)
     output_weight: Optional[Tensor] = None  # see ``ForwardHooks._open_inference_window``
     head_labels: Optional[Tensor] = None
     head_output: Optional[TokenLogProbs] = None

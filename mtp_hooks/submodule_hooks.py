@@ -19,14 +19,15 @@ model that forward runs (``ForwardState.model``), never on a stored reference.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
 from mtp_hooks import _mcore, deferral, heads
 from mtp_hooks.interrupts import forwards_on_stack
-from mtp_hooks.logprobs import with_zero_gradient_to
+from mtp_hooks.ops.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
+from mtp_hooks.output_head import Head
 from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
 from mtp_hooks.state import ForwardState, Originals
 from mtp_hooks.targets import packed_layout
@@ -41,6 +42,7 @@ class SubmoduleHooks:
     depth: int
     forward: Optional[ForwardState]
     _originals: Originals
+    recover_abandoned: Callable[..., None]  # ``ForwardHooks``: drops a forward an interrupt abandoned
 
     def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         state = self.forward
@@ -82,7 +84,7 @@ class SubmoduleHooks:
             return False
         if forwards_on_stack(state.model, state.thread, 1):
             return True
-        self.recover_abandoned()  # type: ignore[attr-defined]
+        self.recover_abandoned()
         return False
 
     def on_output_layer_first(self, layer: nn.Module, args: tuple[Any, ...]) -> None:
@@ -107,23 +109,19 @@ class SubmoduleHooks:
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
+        if not state.train and state.head_labels is None:
+            return (args, kwargs) if state.output_weight is not None else None
+        head = Head.of(layer, weight, self.options.chunk_size, lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight))
         if state.train:
             assert state.targets is not None
             model = state.model
             detach = self.options.detach_head or _mcore.config_detaches_heads(model.config)
+            batch = heads.MTPBatch(state.targets.labels, state.targets.loss_mask, self.depth, state.packed_seq_params, state.packed_layout)
+            loss_scale = self.options.mtp_loss_scale(model.config)
+            if state.loss_scale is not None:  # this micro-batch's multiplier
+                loss_scale = loss_scale * state.loss_scale
             hidden, state.metrics, state.loss_path = heads.attach_mtp_losses(
-                self.options,
-                model,
-                layer,
-                hidden,
-                self.depth,
-                weight.detach() if detach else weight,
-                state.targets.labels,
-                state.targets.loss_mask,
-                state.packed_seq_params,
-                lambda chunk, head_weight: self._own_head_call(layer, state, chunk, head_weight),
-                state.loss_scale,
-                state.packed_layout,
+                self.options, model, head.detached() if detach else head, hidden, batch, loss_scale
             )
             state.attached = True
             if state.head_labels is None and deferral.defers(layer):
@@ -131,10 +129,8 @@ class SubmoduleHooks:
                 # (``deferral``): undeferred, with an empty pair left in the buffers on its return.
                 state.swap(layer, "config", deferral.undeferred(layer.__dict__["config"]))
                 state.undeferred_call = hidden
-        elif state.head_labels is None:
-            return (args, kwargs) if state.output_weight is not None else None
         if state.head_labels is not None and state.head_output is None:
-            state.head_output = heads.head_logprobs(self.options, layer, hidden, weight, state.head_labels)
+            state.head_output = heads.head_logprobs(self.options, head, hidden, state.head_labels)
             # mcore's own head call still runs, on one position; its logits are dropped, and it gets
             # its (zero) gradient through the log-probs (``on_output_layer_post``).
             hidden = state.head_call = hidden[:1]

@@ -35,6 +35,7 @@ from torch import Tensor
 from mtp_hooks import _mcore
 from mtp_hooks.checks import Validate, require
 from mtp_hooks.errors import MTPHooksError, bad_argument, describe
+from mtp_hooks.ops.vocab_parallel import group_rank, group_size
 
 
 def mtp_targets(
@@ -176,7 +177,7 @@ def _without_empty_slots(layout: Any, cp_group: Any) -> Any:
     """``layout`` minus zero-length slots, which hold no token but make mcore's CP roll index an
     empty chunk (``IndexError`` in 0.16.1). Without CP mcore rolls slot by slot, where an empty one
     is harmless, and ``layout`` is returned as it is (``unique_consecutive`` syncs on a GPU)."""
-    if _mcore.group_size(cp_group) == 1:
+    if group_size(cp_group) == 1:
         return layout
     bounds = layout.cu_seqlens_q
     kept = torch.unique_consecutive(bounds)
@@ -194,7 +195,7 @@ def _real_tokens(packed_seq_params: Any, length: int, cp_group: Any, device: tor
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     bounds = unpadded if padded is None else padded.to(device=device, dtype=torch.long)
     tokens, slots = unpadded[1:] - unpadded[:-1], bounds[1:] - bounds[:-1]
-    cp, cp_rank = _mcore.group_size(cp_group), _mcore.group_rank(cp_group)
+    cp, cp_rank = group_size(cp_group), group_rank(cp_group)
     fits = ((tokens >= 0) & (tokens <= slots)).all()
     require(fits, validate, lambda: _layout_error(bounds, tokens, slots, length, cp, "tokens"))
     if cp > 1:

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from mtp_hooks import _mcore
-from mtp_hooks.loss import OBJECTIVES, lean_mtp_loss
+from mtp_hooks.ops.lean_loss import lean_mtp_loss
+from mtp_hooks.ops.objectives import OBJECTIVES
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
 from tests.mcore_cpu import output_layer_calls, stock_main_only_step, thd_params
 from tests.test_targets import Slot

@@ -25,7 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from mtp_hooks import MTPHooksError
-from mtp_hooks.loss import OBJECTIVES, WEIGHT_GRAD_MODES, HeadLoss, choose_weight_grad, lean_mtp_loss
+from mtp_hooks.ops.lean_loss import HeadLoss, lean_mtp_loss
+from mtp_hooks.ops.objectives import OBJECTIVES
+from mtp_hooks.ops.weight_grad import WEIGHT_GRAD_MODES, choose_weight_grad
 from tests.distributed import SpawnedGroup
 from tests.test_draft_objectives import TOLERANCES, Case, Dense, assert_close, dense_reference, make_case
 

@@ -1,6 +1,6 @@
 """The lean MTP loss equals mcore's dense cross-entropy and a float64 reference (TP = 1).
 
-``lean_linear_cross_entropy`` walks the tokens in chunks and never keeps logits for backward.
+``lean_mtp_loss`` (objective ``"ce"``) walks the tokens in chunks and never keeps logits for backward.
 These tests pin it, chunk size by chunk size, against
 
 * the dense path stock mcore takes: ``hidden @ weight.T`` then mcore's own
@@ -23,7 +23,8 @@ from torch import Tensor
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
-from mtp_hooks.loss import LeanMTPLoss, argmax_matches, lean_linear_cross_entropy
+from mtp_hooks.ops.lean_loss import LeanMTPLoss, lean_mtp_loss
+from mtp_hooks.ops.vocab_parallel import argmax_matches
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.probes import LargestOutput
 from tests.twins import hooked_step
@@ -88,7 +89,7 @@ def float64_reference(hidden: Tensor, weight: Tensor, labels: Tensor, token_weig
 
 def run_lean(case: Case, chunk_size: int, hidden_grad: bool = True, weight_grad: bool = True, scale: float = 1.0):
     hidden, weight = case.leaves(hidden_grad, weight_grad)
-    objective, ce, correct = lean_linear_cross_entropy(hidden, weight, case.labels, case.token_weight, None, chunk_size)
+    objective, ce, correct = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, chunk_size)[:3]
     if objective.requires_grad:
         (objective * scale).backward()
     return objective.detach(), ce, correct, hidden, weight
@@ -257,7 +258,7 @@ def test_chunked_lean_never_materialises_a_full_logits_tensor() -> None:
     hidden, weight = case.leaves()
     probe = LargestOutput()
     with probe:
-        objective, _, _ = lean_linear_cross_entropy(hidden, weight, case.labels, case.token_weight, None, chunk)
+        objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, chunk).objective
         objective.backward()
     assert weight.grad is not None and hidden.grad is not None
     # A forward chunk holds chunk * V logits; a backward vocabulary slice as many, over all tokens.
@@ -269,7 +270,7 @@ def test_weight_gradient_recompute_holds_at_most_a_quarter_of_the_logits_even_wi
     tokens, hidden_size, vocab = 32, 8, 64
     case = make_case(seed=15, tokens=tokens, hidden=hidden_size, vocab=vocab)
     hidden, weight = case.leaves()
-    objective, _, _ = lean_linear_cross_entropy(hidden, weight, case.labels, case.token_weight, None, tokens + 1)
+    objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, tokens + 1).objective
     probe = LargestOutput()
     with probe:
         objective.backward()
@@ -298,7 +299,7 @@ def test_gradcheck_in_float64(chunk_size: int, needs: str) -> None:
     token_weight = case.token_weight.double()
 
     def objective(h: Tensor, w: Tensor) -> Tensor:
-        return lean_linear_cross_entropy(h, w, case.labels, token_weight, None, chunk_size)[0]
+        return lean_mtp_loss(h, w, case.labels, token_weight, None, chunk_size).objective
 
     assert objective(hidden, weight).dtype == torch.float64
     assert torch.autograd.gradcheck(objective, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -307,7 +308,7 @@ def test_gradcheck_in_float64(chunk_size: int, needs: str) -> None:
 def test_bf16_inputs_match_mcore_dense_within_bf16_rounding() -> None:
     case = make_case(seed=13, tokens=16, hidden=8, vocab=24, dtype=torch.bfloat16)
     lean_h, lean_w = case.leaves()
-    objective, ce, _ = lean_linear_cross_entropy(lean_h, lean_w, case.labels, case.token_weight, None, 5)
+    objective, ce = lean_mtp_loss(lean_h, lean_w, case.labels, case.token_weight, None, 5)[:2]
     objective.backward()
     dense_h, dense_w = case.leaves()
     ref_objective, ref_ce, _ = mcore_dense(dense_h, dense_w, case.labels, case.token_weight)

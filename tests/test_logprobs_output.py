@@ -23,7 +23,7 @@ from torch import Tensor
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from mtp_hooks.logprobs import lean_logprobs
+from mtp_hooks.ops.logprobs import lean_logprobs
 from tests.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.twins import mtp_block_calls
 from tests.probes import LargestOutput

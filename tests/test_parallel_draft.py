@@ -141,9 +141,10 @@ def scenario_vocab_parallel_functions() -> None:
     ranks (lowest index wins, as ``torch.argmax``)."""
     from megatron.core import parallel_state
 
-    from mtp_hooks.logprobs import lean_logprobs
-    from mtp_hooks.loss import OBJECTIVES, lean_mtp_loss
-    from mtp_hooks.vocab_parallel import argmax_matches
+    from mtp_hooks.ops.logprobs import lean_logprobs
+    from mtp_hooks.ops.lean_loss import lean_mtp_loss
+    from mtp_hooks.ops.objectives import OBJECTIVES
+    from mtp_hooks.ops.vocab_parallel import argmax_matches
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = dist.get_rank(group)

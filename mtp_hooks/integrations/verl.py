@@ -32,7 +32,8 @@ from torch import nn
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError, bad_argument, describe
-from mtp_hooks.hooks import MTPHooks, attach
+from mtp_hooks.api import attach
+from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import find_language_model
 
 # Where verl's engine (``gptmodel_forward_model_engine``) puts its per-micro-batch factor.

@@ -1,9 +1,9 @@
-"""The public handle: ``attach`` installs the hooks on a language model, ``MTPHooks`` controls them.
+"""The public entry points: ``attach`` installs the hooks on a language model and returns its
+``MTPHooks`` handle (``handle``), ``attached`` does it for a ``with`` block, ``hooks_of`` finds it again.
 
 No class or instance method is replaced: the behaviour lives in torch hooks (``forward``,
-``submodule_hooks``) and the proxies of ``proxies`` that exist only inside one forward. All per-model state is one
-``ForwardHooks`` object held by the handle, which is stored under ``_mtp_hooks`` in the language
-model's ``__dict__`` and found again by ``hooks_of``.
+``submodule_hooks``) and the proxies of ``proxies`` that exist only inside one forward. The handle
+is stored under ``_mtp_hooks`` in the language model's ``__dict__`` and found again by ``hooks_of``.
 
 Parallel layouts follow mcore (its own groups and rolls; nothing to configure): under TP the
 logits stay vocab-parallel ``[b, s, V/tp]`` and every MTP reduction runs over the TP group, with
@@ -18,164 +18,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
+from torch import nn
 
-from mtp_hooks.errors import MTPHooksError, bad_state
-from mtp_hooks.models import _STATE_KEY, check_model, check_wrappers, find_language_model
 from mtp_hooks.checks import Validate
-from mtp_hooks.forward import ForwardHooks
-from mtp_hooks.state import MicroBatch
+from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.handle import MTPHooks
+from mtp_hooks.models import _STATE_KEY, check_model, check_wrappers, find_language_model
 from mtp_hooks.options import LossImpl, Objective, Options, Output
-
-class MicroBatchTargets:
-    """What ``MTPHooks.micro_batch`` returns: a context manager whose block owns the targets.
-
-    Inside the block, the one training (grad-enabled) forward of this thread trains on them;
-    grad-disabled forwards in the block are inference and leave them. They are dropped on exit
-    (also by exception), so they can never train a later batch. Not entered, they train nothing:
-    the next forward or ``micro_batch`` raises ``MTPHooksStateError``.
-    """
-
-    def __init__(self, hooks: "MTPHooks", targets: MicroBatch) -> None:
-        self._hooks = hooks
-        self._targets = targets
-
-    def __enter__(self) -> "MTPHooks":
-        self._targets.entered = True
-        return self._hooks
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks._hooks.disarm(self._targets, completed=exc[0] is None)
-
-
-class MTPHooks:
-    """Handle of ``mtp_hooks`` on one language model. Create it with ``attach``.
-
-    Use ``micro_batch`` to give the labels of a training micro-batch, ``metrics`` to read the
-    per-depth MTP loss and acceptance, and ``remove`` (or ``with``) to restore stock mcore.
-    After ``remove`` every method but ``remove`` raises ``MTPHooksStateError``.
-    """
-
-    def __init__(self, model: nn.Module, options: Options) -> None:
-        self.options = options
-        self._hooks = ForwardHooks(model, options)
-        self._handles: list[RemovableHandle] = self._hooks.install(model)
-        self._model_class = type(model).__name__
-        self._removed = False
-
-    def _live(self, method: str) -> ForwardHooks:
-        if self._removed:
-            raise bad_state(method, "hooks still attached (attach the model again to train MTP)", "a call after remove() (these hooks were removed)")
-        return self._hooks
-
-    @property
-    def model(self) -> nn.Module:
-        """The language model the hooks sit on."""
-        return self._live("model").model
-
-    @property
-    def depth(self) -> int:
-        """Number of MTP layers (``config.mtp_num_layers``)."""
-        return self._hooks.depth
-
-    @property
-    def loss_scale(self) -> float:
-        """Total MTP loss weight (split evenly over depths), as used by the next forward."""
-        scale = self.options.loss_scale
-        return self.model.config.mtp_loss_scaling_factor if scale is None else scale
-
-    @property
-    def loss_path(self) -> Optional[str]:
-        """How the last completed training micro-batch computed its MTP losses, ``None`` before one.
-
-        ``"fused"`` (weight gradient accumulated in forward, stock's matmul count), ``"recompute"``
-        (weight gradient recomputed in backward, one head matmul more, no accumulator),
-        ``"detached"`` (lean with a detached head weight: no weight-gradient work) or ``"dense"``.
-        """
-        return self._hooks.loss_path
-
-    @property
-    def detach_encoder(self) -> bool:
-        return self.options.detach_encoder
-
-    @property
-    def detach_head(self) -> bool:
-        return self.options.detach_head
-
-    @property
-    def loss_impl(self) -> str:
-        return self.options.loss_impl
-
-    @property
-    def chunk_size(self) -> Optional[int]:
-        return self.options.chunk_size
-
-    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None) -> MicroBatchTargets:
-        """``with hooks.micro_batch(labels, loss_mask): model(...)``: the training forward in the
-        block trains MTP on these ``[b, s]`` targets.
-
-        The block owns them: its one grad-enabled forward of this model from this thread trains on
-        them (a second raises), grad-disabled forwards in it are inference (with
-        ``output="logprobs"`` they score the labels) and never use them up, and they are dropped on
-        exit, also by exception. Why only ``with``: targets armed by a plain call would outlive a
-        step that failed before its forward and silently train a later batch, or be taken by an
-        inference forward. A plain call therefore trains nothing, and the next forward or
-        ``micro_batch`` raises ``MTPHooksStateError``; pass ``labels=`` to the model instead.
-
-        ``labels`` are next-token labels (as for the main head), ``loss_mask`` is aligned with
-        them. Validated when called (``MTPHooksError``). ``loss_scale`` (a float >= 0 or a 0-d
-        tensor, no host sync) multiplies this micro-batch's MTP loss, e.g. a per-micro-batch MTP
-        gradient scale, or 0 to gate it off.
-
-        One thread at a time: another thread's forward while one is in flight raises
-        ``MTPHooksStateError``; it never sees this thread's targets.
-        """
-        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask, loss_scale))
-
-    def metrics(self, reset: bool = True) -> dict[str, float]:
-        """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
-        argmax is the label) and ``mtp_k/tokens``, over the training forwards completed since the
-        last reset (a forward that raised counts for nothing). A depth that counted no token has
-        ``mtp_k/tokens == 0`` and no ratios. Where acceptance is measured (``agreement_metrics``
-        or a draft objective) also ``mtp_k/agree``, ``mtp_k/accept`` (expected acceptance
-        ``sum_v min(p_T, q_T)``) and ``mtp/accept_len``: the expected number of accepted draft
-        tokens of the chained depths, ``sum_k mean_t prod_{j<=k} alpha_j(t)`` with the product
-        taken per position (``metrics.MTPMetrics`` says why), each mean over the positions where
-        depths 1..k all have a target; absent while there is no position with every depth's
-        target. mcore's tracker gets no ``accept_len``: it holds per-depth loss and label counts
-        only, and stays as stock fills it. Local to this rank (identical across TP ranks). Empty
-        if nothing was trained. Reading syncs with the device once."""
-        hooks = self._live("metrics")
-        hooks.recover_abandoned()
-        return hooks.metrics.read(reset)
-
-    def remove(self) -> None:
-        """Remove every hook; the model is stock again. Calling it twice is harmless.
-
-        Raises ``MTPHooksStateError`` while a forward of the model is running (on any thread).
-        """
-        if self._removed:
-            return
-        self._hooks.close()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._removed = True
-        model = self._hooks.alive_model
-        if model is not None and model.__dict__.get(_STATE_KEY) is self:
-            del model.__dict__[_STATE_KEY]
-
-    def __enter__(self) -> "MTPHooks":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = ", removed" if self._removed else ""
-        options = "".join(f", {name}={value!r}" for name, value in self.options.changed().items())
-        return f"MTPHooks({self._model_class}, depth={self.depth}{options}{state})"
 
 
 def attach(
@@ -223,13 +72,13 @@ def attach(
             ``"recompute"`` force a path; ``"dense"`` computes logits with the output layer and
             mcore's own CE, as stock mcore does. ``loss_path`` says which path ran.
         chunk_size: tokens per chunk of the lean loss and log-probs; ``None``: the largest power
-            of two whose fp32 logits fit 256 MiB (``heads.auto_chunk_size``).
+            of two whose fp32 logits fit 256 MiB (``ops.chunking.auto_chunk_size``).
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
             labels. ``"distill"``: cross-entropy against the main head's detached distribution at
             the position predicting the same token. ``"tv"``: total variation to that
             distribution, i.e. 1 - expected speculative-sampling acceptance ``alpha``.
             ``"accept"``: ``-log alpha`` per token (tv's gradient divided by ``alpha``: it does not
-            fade where the draft is rarely accepted; see ``mtp_hooks.objectives``).
+            fade where the draft is rarely accepted; see ``mtp_hooks.ops.objectives``).
         agreement_metrics: also report per depth ``mtp_k/agree`` (MTP argmax equals the main
             head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``),
             and ``mtp/accept_len`` (expected accepted draft tokens, ``MTPHooks.metrics``); costs

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from mtp_hooks.workspace import Workspace
+from mtp_hooks.ops.workspace import Workspace
 
 
 def follows_main_grad_protocol(layer: nn.Module, weight: Tensor) -> bool:

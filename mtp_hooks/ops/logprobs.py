@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mtp_hooks.main_grad import HeadWeightGrad
-from mtp_hooks.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
-from mtp_hooks.workspace import Workspace
+from mtp_hooks.ops.main_grad import HeadWeightGrad
+from mtp_hooks.ops.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
+from mtp_hooks.ops.workspace import Workspace
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -7,7 +7,7 @@ vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group
 
 * ``argmax_matches`` (from ``vocab_parallel``) scores logits that the caller computed (dense path;
   the CE itself is mcore's).
-* ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks and computes the
+* ``LeanMTPLoss`` never keeps logits for backward: it walks the tokens in chunks (``chunk_stats``) and computes the
   hidden-state gradient during forward (the objective's upstream gradient is a scalar, so it is
   known up to that factor). Objectives: ``"ce"`` on the labels, and, against the main head's
   distribution at the matching position (the teacher), ``"distill"``, ``"tv"`` and
@@ -25,15 +25,14 @@ vocabulary (max, sum of exponentials, target logit, argmax) runs over ``tp_group
     gradient in backward: stock's matmul count (3 for ``"ce"``), but the accumulator lives from
     forward to backward. All MTP depths can share it by passing their tokens in one call.
 
-  ``choose_weight_grad`` picks the path that keeps less alive: ``"fused"`` unless its
+  ``weight_grad.choose_weight_grad`` picks the path that keeps less alive: ``"fused"`` unless its
   accumulator (``V/tp * H`` fp32) outweighs the fp32 MTP logits stock keeps
   (``tokens * V/tp``), i.e. unless ``H > tokens`` summed over the depths of the call.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Literal, NamedTuple, Optional, get_args
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,151 +40,14 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.main_grad import HeadWeightGrad
-from mtp_hooks.objectives import OBJECTIVES, check_temperature, draft_statistics, logit_grad, tempered_exp_
-from mtp_hooks.vocab_parallel import (
-    ProcessGroup,
-    accumulation_dtype,
-    all_reduce,
-    argmax_matches,
-    first_argmax_candidates,
-    shard_targets,
-)
-from mtp_hooks.workspace import Workspace
+from mtp_hooks.ops.chunk_stats import ChunkStats
+from mtp_hooks.ops.main_grad import HeadWeightGrad
+from mtp_hooks.ops.objectives import OBJECTIVES, check_temperature, logit_grad
+from mtp_hooks.ops.vocab_parallel import ProcessGroup, accumulation_dtype, all_reduce, shard_targets
+from mtp_hooks.ops.weight_grad import WEIGHT_GRAD_MODES, add_weight_grad_
+from mtp_hooks.ops.workspace import Workspace
 
 _MIN_WEIGHT_SLICES = 4  # the weight gradient's recompute never holds more than 1/4 of the logits
-
-
-WeightGrad = Literal["fused", "recompute"]
-WEIGHT_GRAD_MODES: tuple[str, ...] = get_args(WeightGrad)
-
-
-def choose_weight_grad(hidden_size: int, tokens: int) -> str:
-    """The weight-gradient path that keeps less memory from forward to backward.
-
-    ``tokens``: all tokens of one ``lean_mtp_loss`` call on this rank (N depths x T when the
-    depths share one call). ``"fused"`` keeps a ``[V/tp, hidden_size]`` fp32 accumulator,
-    stock keeps ``[tokens, V/tp]`` fp32 logits: ``"fused"`` unless the accumulator is larger.
-    """
-    return "recompute" if hidden_size > tokens else "fused"
-
-
-@functools.lru_cache(maxsize=None)
-def _mm_accumulates_low_precision(device: torch.device, dtype: torch.dtype, acc_dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=acc_dtype, out=acc)`` runs for ``dtype`` operands here.
-
-    Half / bf16 GEMMs with an fp32 output (CUDA, recent torch) keep the low-precision operands'
-    speed and accumulate in fp32; elsewhere (CPU, older torch) the operands are upcast instead.
-    """
-    if dtype == acc_dtype or device.type == "cpu":
-        return False
-    acc = torch.zeros(1, 1, dtype=acc_dtype, device=device)
-    operand = torch.zeros(1, 1, dtype=dtype, device=device)
-    try:
-        torch.addmm(acc, operand, operand, out_dtype=acc_dtype, out=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return True
-
-
-def _add_weight_grad_(acc: Tensor, grad: Tensor, rounded: Tensor, hidden: Tensor) -> None:
-    """``acc += grad.T @ hidden`` accumulated in ``acc.dtype`` (``grad``: the chunk's logit gradient
-    in ``acc.dtype``; ``rounded``: the same in the head's dtype).
-
-    Low-precision operands go through a GEMM with an ``acc.dtype`` output where torch has one for
-    the device (``rounded``), else are upcast.
-    """
-    if hidden.dtype == acc.dtype:
-        torch.addmm(acc, grad.t(), hidden, out=acc)
-    elif _mm_accumulates_low_precision(hidden.device, hidden.dtype, acc.dtype):
-        torch.addmm(acc, rounded.t(), hidden, out_dtype=acc.dtype, out=acc)
-    else:
-        torch.addmm(acc, grad.t(), hidden.to(acc.dtype), out=acc)
-
-
-
-
-class _Chunk:
-    """Per-token statistics of one chunk of tokens over the full (vocab-parallel) vocabulary.
-
-    Fills ``lse``, ``ce``, ``argmax`` (the full-vocabulary first argmax, or without a teacher
-    this shard's candidate for it), ``loss`` and, with a teacher, ``lse_teacher``,
-    ``draft_lse`` (the log-normalisers of ``p`` and of the draft's ``q`` in tempered logits),
-    ``accept`` (``sum_v min(p, q)``), ``agree`` (same argmax) and ``aux``
-    (``objectives.DraftStats``); ``q`` and ``p`` are the chunk's local softmax columns, written
-    over ``logits`` and ``teacher_logits``, at ``temperature`` but for ``"ce"``'s ``q``
-    (``objectives``). ``lse``, ``ce`` and ``argmax`` are untempered. Without a teacher ``q``
-    holds the exponentials and ``q_scale`` the factor that normalises them (``logit_grad``
-    applies it with the token weights: one pass over the chunk, not two).
-    """
-
-    def __init__(
-        self,
-        logits: Tensor,
-        teacher_logits: Optional[Tensor],
-        local: Tensor,
-        in_shard: Tensor,
-        objective: str,
-        group: ProcessGroup,
-        temperature: float = 1.0,
-    ) -> None:
-        values, index = logits.max(dim=-1)  # the first argmax counts, as stock 0.19's acceptance
-        maxima = [values]
-        if teacher_logits is not None:
-            teacher_values, teacher_index = teacher_logits.max(dim=-1)
-            maxima.append(teacher_values)
-        maxima = all_reduce(torch.stack(maxima), group, dist.ReduceOp.MAX)
-        row_max = maxima[0]
-        # This shard's candidate for the first argmax (``first_argmax_candidates``): reduced with
-        # MIN over the group here with a teacher, else once for all chunks by ``LeanMTPLoss``.
-        self.argmax = first_argmax_candidates(values, index, row_max, group, logits.shape[-1])
-        if teacher_logits is not None:
-            teacher_argmax = first_argmax_candidates(teacher_values, teacher_index, maxima[1], group, logits.shape[-1])
-            agree_index = all_reduce(torch.stack([self.argmax, teacher_argmax]), group, dist.ReduceOp.MIN)
-            self.argmax = agree_index[0]
-        shifted = logits.sub_(row_max.unsqueeze(-1))
-        # The label's logit minus the row's maximum, 0 for a label outside every shard (a masked-in
-        # -100 under validate="off"): mcore's vocab_parallel_cross_entropy, so the CE is stock's too.
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
-        # At T != 1 the CE on the labels still needs the untempered sum of exponentials (a temporary
-        # for the draft objectives; "ce" keeps them: its gradient is the untempered softmax).
-        tempered = teacher_logits is not None and temperature != 1.0
-        exp = shifted.exp() if objective == "distill" or tempered else shifted.exp_()
-        sums = [picked, exp.sum(dim=-1)]
-        if teacher_logits is not None:
-            teacher_exp = tempered_exp_(teacher_logits.sub_(maxima[1].unsqueeze(-1)), temperature)
-            sums.append(teacher_exp.sum(dim=-1))
-        if tempered:  # the draft's exponentials at T, over ``shifted`` (kept, tempered, for "distill")
-            exp = exp if objective == "ce" else None
-            draft_exp = tempered_exp_(shifted, temperature, keep=objective == "distill")
-            sums.append(draft_exp.sum(dim=-1))
-        sums = all_reduce(torch.stack(sums), group)
-        self.lse = row_max + sums[1].log()
-        self.ce = sums[1].log() - sums[0]
-        self.loss = self.ce
-        self.p: Optional[Tensor] = None
-        self.aux: Optional[Tensor] = None
-        if teacher_logits is None:
-            self.q, self.q_scale = exp, sums[1].reciprocal()
-            return
-        self.lse_teacher = maxima[1] / temperature + sums[2].log()
-        self.p = p = teacher_exp.div_(sums[2].unsqueeze(-1))
-        if tempered:
-            log_sum = sums[3].log()
-            q = draft_exp.div_(sums[3].unsqueeze(-1))
-            self.draft_lse = row_max / temperature + log_sum
-        else:
-            log_sum = sums[1].log()
-            q = exp.div_(sums[1].unsqueeze(-1))
-            self.draft_lse = self.lse
-        # The gradient's softmax: the draft's at T, or for "ce" the untempered one.
-        self.q = exp.div_(sums[1].unsqueeze(-1)) if objective == "ce" and tempered else q
-        self.q_scale = None
-        stats = draft_statistics(objective, q, p, shifted, log_sum, group)
-        self.accept, self.aux = stats.accept, stats.aux
-        self.agree = torch.eq(*agree_index)
-        if stats.loss is not None:
-            self.loss = stats.loss
 
 
 class HeadLoss(NamedTuple):
@@ -276,7 +138,7 @@ class LeanMTPLoss(torch.autograd.Function):
             rows = slice(start, min(start + chunk_size, tokens))
             logits = logits_space.product(hidden[rows], weight)
             teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
-            chunk = _Chunk(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group, temperature)
+            chunk = ChunkStats(logits, teacher_logits, local[rows], in_shard[rows], objective, tp_group, temperature)
             del logits, teacher_logits
             lse[rows], ce[rows], argmax[rows], loss[rows] = chunk.lse, chunk.ce, chunk.argmax, chunk.loss
             if teacher is not None:
@@ -297,7 +159,7 @@ class LeanMTPLoss(torch.autograd.Function):
                     grad = grad.mul_(relative[rows].unsqueeze(-1))
                     rounded = logits_space.rounded(grad, weight.dtype)
                 if acc is not None:
-                    _add_weight_grad_(acc, grad, rounded, hidden[rows])
+                    add_weight_grad_(acc, grad, rounded, hidden[rows])
                 del grad, rounded
             del chunk  # one chunk's temporaries alive at a time
         if teacher is None:  # the chunks' candidates, reduced in one collective
@@ -414,15 +276,3 @@ def lean_mtp_loss(
         return HeadLoss(result, ce, correct, None, None)
     return HeadLoss(result, ce, correct, agree, accept)
 
-
-def lean_linear_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    token_weight: Tensor,
-    tp_group: ProcessGroup,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``sum(token_weight * CE)``, per-token CE and correct flags: ``lean_mtp_loss`` with ``"ce"``."""
-    out = lean_mtp_loss(hidden, weight, labels, token_weight, tp_group, chunk_size)
-    return out.objective, out.ce, out.correct

@@ -23,7 +23,7 @@ against ``p_T`` but scored untempered would be trained for a sampler no engine r
   (a loss of at most 87 in fp32, never ``inf``).
 
 Every vocabulary sum is all-reduced over ``tp_group``; the functions take and return per-chunk
-tensors and know nothing about chunking, hooks or models (``loss`` runs the chunk loop).
+tensors and know nothing about chunking, hooks or models (``lean_loss`` runs the chunk loop).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.vocab_parallel import ProcessGroup, all_reduce
+from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce
 
 Objective = Literal["ce", "distill", "tv", "accept"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)

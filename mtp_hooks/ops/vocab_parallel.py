@@ -2,7 +2,7 @@
 
 Each rank holds ``V/tp`` columns of the logits; maxima, sums of exponentials, target logits and
 argmaxes over the full vocabulary are all-reduced over ``tp_group`` (``None``: one rank). Shared by
-the MTP losses (``loss``) and the log-prob output (``logprobs``).
+the MTP losses (``lean_loss``) and the log-prob output (``logprobs``).
 """
 
 from __future__ import annotations
