@@ -1,22 +1,15 @@
 """The lifecycle of one forward: the model's own pre- and post-hook, its lock, its targets.
 
-A forward meets the hooks in this order (2 - 5 live in ``submodule_hooks``):
-
-1. model pre-hook (``on_model_pre``): takes the model's lock (one forward at a time, one thread),
-   takes ``labels`` / ``loss_mask`` out of the call so mcore returns logits, picks the forward's
-   targets (``forward_targets``: the call's, the ``micro_batch`` block's, or a checkpoint
-   recompute's) and decides training or inference. It changes nothing on the model.
-2. - 5. the submodule hooks (``submodule_hooks``): the decoder's (inference) or the MTP block's
-   (training) forward hook, kept last, opens the window (``state``) that keeps stock's own MTP
-   loss off; the output layer's pre-hook kept first closes it before any user hook, and the main
-   pre-hook computes the MTP losses on the call that carries the block's output (``heads``).
-6. model forward hooks (``always_call``): ``on_model_post``, in registration order, closes the
-   window if a fault left it open and returns the log-prob output; ``on_model_done``, kept last,
-   counts the forward's metrics only if the forward and every hook before it completed, and
-   releases the lock.
-Copies (``deepcopy``, ``pickle``) of a hooked model get their own hooks (``ForwardHooks.__deepcopy__``).
-A forward inside ``torch.utils.checkpoint`` binds its targets to that checkpoint call, and its
-recompute in backward takes them from there: ``recompute``.
+A forward meets the hooks in this order: (1) the model pre-hook (``on_model_pre``) takes the
+model's lock (one forward at a time, one thread), takes ``labels`` / ``loss_mask`` out of the call
+so mcore returns logits, picks the forward's targets (``forward_targets``: the call's, the
+``micro_batch`` block's, or a checkpoint recompute's, bound by ``recompute``) and decides training
+or inference, changing nothing on the model; (2-5) the submodule hooks (``submodule_hooks``) open
+and close the window (``state``) that keeps stock's own MTP loss off, and compute the MTP losses on
+the output-layer call that carries the block's output (``heads``); (6) the model forward hooks
+(``always_call``): ``on_model_post`` closes the window if a fault left it open and returns the
+log-prob output; ``on_model_done``, kept last, counts the forward only if it and every hook before
+it completed, and releases the lock. Copies (``deepcopy``, ``pickle``) get their own hooks.
 """
 
 from __future__ import annotations
