@@ -38,8 +38,7 @@ from mtp_hooks.state import ForwardState, MicroBatch, Originals
 from mtp_hooks.submodule_hooks import SubmoduleHooks
 
 
-# Bound to one model: made afresh by ``_bind`` for a copy, never copied.
-_PER_MODEL = ("pending", "forward", "_model_ref", "_originals", "_lock", "_recovering", "_refused", "_bound", "_marked")
+_PER_MODEL = ("pending", "forward", "_model_ref", "_originals", "_lock", "_recovering", "_refused", "_bound", "_marked")  # bound to one model (_bind), never copied
 
 
 class ForwardHooks(ForwardTargets, SubmoduleHooks):
