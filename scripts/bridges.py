@@ -1,4 +1,4 @@
-"""Run the bridge-built families (``tests/test_bridges.py``) on every megatron-core release of the matrix.
+"""Run the bridge-built families (``tests/integrations/test_bridges.py``) on every megatron-core release of the matrix.
 
 The environments are the matrix's (``scripts/matrix.py``): the base venv of each Python and
 ``.mcore/<version>`` first on ``PYTHONPATH``. On top of them, after the megatron-core folder, comes
@@ -9,7 +9,7 @@ Unlike ``make test`` this fails when a test skips: here a skip means mbridge or 
 missing, or a release cannot build a family, which is what the run is for. A requested release
 that cannot run (no Python 3.12 interpreter) fails too, unless ``--allow-skip``.
 
-``--suite megatron-bridge`` runs ``tests/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
+``--suite megatron-bridge`` runs ``tests/integrations/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
 (Python 3.12 only) on megatron-core 0.19.2, with ``.bridges/py312-mb`` from
 ``requirements/bridges-megatron.txt`` (transformers 5.12.1).
 
@@ -46,9 +46,9 @@ class Suite:
 
 SUITES = {
     # mbridge 0.15.1 + transformers 4.57.1: every matrix release
-    "mbridge": Suite("tests/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
+    "mbridge": Suite("tests/integrations/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
     # megatron-bridge 0.6.2 + transformers 5.12.1: Python 3.12 only, run on the newest release
-    "megatron-bridge": Suite("tests/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
+    "megatron-bridge": Suite("tests/integrations/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
 }
 
 
