@@ -30,6 +30,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from mtp_hooks.testing import cpu_safe_config
+
 # mbridge's notices at import time (no Apex), as conftest.py silences megatron's.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"mbridge\.")
 
@@ -50,15 +52,9 @@ else:
 FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
 MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
 
-# What the bridges set for GPUs, replaced for a CPU run (names a release lacks are left out).
-CPU_OVERRIDES: dict[str, Any] = dict(
-    use_cpu_initialization=True,
-    gradient_accumulation_fusion=False,
-    bias_activation_fusion=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
+# What the bridges set for GPUs, replaced for a CPU run (names a release lacks are left out):
+# mtp_hooks.testing.cpu_safe_config (CPU initialisation, fusions off) and the MoE settings.
+CPU_OVERRIDES: dict[str, Any] = cpu_safe_config(
     cross_entropy_loss_fusion=False,
     moe_permute_fusion=False,
     moe_router_fusion=False,
@@ -71,116 +67,95 @@ CPU_OVERRIDES: dict[str, Any] = dict(
 )
 
 
-def _deepseek_v3(depth: Optional[int], vocab_size: int) -> Any:
-    """deepseek-ai/DeepSeek-V3's config.json, scaled down in size (every other setting as published)."""
-    extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    return transformers.DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        hidden_act="silu",
-        max_position_embeddings=163840,
-        rms_norm_eps=1e-6,
-        rope_theta=10000,
-        rope_scaling={
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        attention_bias=False,
-        tie_word_embeddings=False,
-        aux_loss_alpha=0.001,
-        architectures=["DeepseekV3ForCausalLM"],
-        **extra,
-    )
-
-
-def _glm4_moe(depth: Optional[int], vocab_size: int) -> Any:
-    """zai-org/GLM-4.5's config.json, scaled down in size (every other setting as published)."""
-    extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    return transformers.Glm4MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,  # heads * head_dim != hidden_size, as in GLM-4.5 (96 * 128 vs 5120)
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        partial_rotary_factor=0.5,
-        use_qk_norm=True,
-        attention_bias=True,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=1000000,
-        tie_word_embeddings=False,
-        architectures=["Glm4MoeForCausalLM"],
-        **extra,
-    )
-
-
-def _mimo(depth: Optional[int], vocab_size: int) -> Any:
-    """XiaomiMiMo/MiMo-7B's config.json on transformers' ``Qwen2Config`` (the real ``MiMoConfig``
-    is remote code), scaled down in size; ``model_type`` ``mimo`` is what the bridge registers."""
-    extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    config = transformers.Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_act="silu",
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-5,
-        rope_theta=640000,
-        use_sliding_window=False,
-        tie_word_embeddings=False,
-        architectures=["MiMoForCausalLM"],
-        **extra,
-    )
-    config.model_type = "mimo"
-    return config
-
-
-_HF_CONFIGS = {"deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "mimo": _mimo}
+# The published models' config.json settings, scaled down in size only (layers, hidden, vocabulary,
+# experts): what every family shares, what the two MoE families share, then each family's own.
+_EVERY_FAMILY: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_act="silu", tie_word_embeddings=False
+)
+_MOE: dict[str, Any] = dict(
+    moe_intermediate_size=16,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+# family: (transformers' config class, settings, model_type to set or None). MiMo runs on transformers'
+# ``Qwen2Config`` (the real ``MiMoConfig`` is remote code); ``mimo`` is the model_type the bridge registers.
+_HF_CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str]]] = {
+    "deepseek_v3": (  # deepseek-ai/DeepSeek-V3
+        "DeepseekV3Config",
+        dict(
+            **_MOE,
+            num_key_value_heads=4,
+            n_group=2,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            rope_theta=10000,
+            rope_scaling={
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            attention_bias=False,
+            aux_loss_alpha=0.001,
+            architectures=["DeepseekV3ForCausalLM"],
+        ),
+        None,
+    ),
+    "glm4_moe": (  # zai-org/GLM-4.5
+        "Glm4MoeConfig",
+        dict(
+            **_MOE,
+            num_key_value_heads=2,
+            head_dim=16,  # heads * head_dim != hidden_size, as in GLM-4.5 (96 * 128 vs 5120)
+            n_group=1,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=1000000,
+            architectures=["Glm4MoeForCausalLM"],
+        ),
+        None,
+    ),
+    "mimo": (  # XiaomiMiMo/MiMo-7B
+        "Qwen2Config",
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            rope_theta=640000,
+            use_sliding_window=False,
+            architectures=["MiMoForCausalLM"],
+        ),
+        "mimo",
+    ),
+}
 
 
 def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64) -> Any:
     """transformers' config of ``family`` (one of ``FAMILIES``) with ``depth`` MTP layers (``None``: no MTP)."""
     if family not in _HF_CONFIGS:
         raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
-    return _HF_CONFIGS[family](depth, vocab_size)
+    class_name, settings, model_type = _HF_CONFIGS[family]
+    extra = {} if depth is None else {"num_nextn_predict_layers": depth}
+    config = getattr(transformers, class_name)(vocab_size=vocab_size, **_EVERY_FAMILY, **settings, **extra)
+    if model_type is not None:
+        config.model_type = model_type
+    return config
 
 
 def _renaming_mla_config(**kwargs: Any) -> Any:

@@ -18,25 +18,9 @@ from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
 
-from mtp_hooks.testing.attention import SDPAttention, context_parallel_positions  # noqa: F401
-from mtp_hooks.testing.devices import CudaToCpu as _CudaToCpu, cuda_calls_on_cpu, cuda_current_device_is_cpu  # noqa: F401
-from mtp_hooks.testing.gpt import TinyGPT  # noqa: F401
-from mtp_hooks.testing.hybrid import TinyHybrid, hybrid_mtp_missing  # noqa: F401
-from mtp_hooks.testing.kernels import fused_wgrad_kernel_on_cpu  # noqa: F401
-from mtp_hooks.testing.parallel import free_port as _free_port, init_parallel  # noqa: F401
-from mtp_hooks.testing.specs import SequenceParallelLayerNorm, replace_module_class as _replace_module_class  # noqa: F401
-from mtp_hooks.testing.steps import (  # noqa: F401
-    Batch,
-    assert_same_grads,
-    grads_of,
-    hooked_train_step,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_mtp_losses,
-    stock_train_step,
-    tracked_mtp_losses,
-)
+from mtp_hooks.testing import *  # noqa: F401,F403 (the public helpers, under the names the tests import)
+from mtp_hooks.testing import Batch, hybrid_mtp_missing, masked_mean
+from mtp_hooks.testing import CudaToCpu as _CudaToCpu, free_port as _free_port, replace_module_class as _replace_module_class  # noqa: F401
 
 HYBRID_MTP_MISSING: Optional[str] = hybrid_mtp_missing()
 
