@@ -17,7 +17,7 @@ dropped. Needs ``requirements/bridges.txt`` (``make bridges-env``); skipped with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ import mtp_hooks
 from tests.support.bridge_models import BRIDGES_MISSING, FAMILIES, MOE_FAMILIES, BridgeModel, assert_routers_and_experts_trained
 from tests.support.bridge_models import hf_config, make_bridge, without_mtp_copy
 from tests.support.mcore_cpu import grads_of, make_batch, output_layer_calls
-from tests.support.mcore_moe import moe_mla_on_cpu, reset_moe_process_state
+from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
 from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
 pytestmark = [
@@ -40,16 +40,6 @@ SEQ = 16
 # How a Transformer Engine spec fails without it: an undefined TE name (up to 0.16), a None class (0.17+).
 TRANSFORMER_ENGINE_MISSING = r"name 'TE\w+' is not defined|'NoneType' object is not callable"
 
-
-@pytest.fixture(autouse=True)
-def moe_on_cpu() -> Iterator[None]:
-    """mcore's MoE router and MLA runnable without Transformer Engine; an empty MoE tracker around each test."""
-    with moe_mla_on_cpu():
-        reset_moe_process_state()
-        try:
-            yield
-        finally:
-            reset_moe_process_state()
 
 
 def batches() -> list[Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from typing import Iterator
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import mtp_hooks
 from tests.support.bridge_models import FAMILIES, MOE_FAMILIES, assert_routers_and_experts_trained, without_mtp_copy
 from tests.support.mcore_cpu import grads_of, make_batch
-from tests.support.mcore_moe import moe_mla_on_cpu, reset_moe_process_state
+from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
 from tests.support.megatron_bridge_models import MEGATRON_BRIDGE_MISSING, ProvidedModel, make_provider
 from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
@@ -33,15 +32,6 @@ pytestmark = [
 VOCAB = 64
 SEQ = 16
 
-
-@pytest.fixture(autouse=True)
-def moe_on_cpu() -> Iterator[None]:
-    with moe_mla_on_cpu():
-        reset_moe_process_state()
-        try:
-            yield
-        finally:
-            reset_moe_process_state()
 
 
 def batches() -> list:

@@ -12,7 +12,7 @@ FLOPs of the same model without MTP layers.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ from tests.support.mcore_moe import (
     DEEPSEEK_MISSING,
     TinyDeepSeek,
     forward_calls,
-    moe_mla_on_cpu,
+    moe_on_cpu,  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
     moe_tracker_values,
     mtp_moe_layers,
     reduce_moe_tracker,
@@ -49,16 +49,6 @@ pytestmark = [
 VOCAB = 64
 SEQ = 16
 
-
-@pytest.fixture(autouse=True)
-def moe_on_cpu() -> Iterator[None]:
-    """mcore's MoE and MLA runnable without Transformer Engine; an empty MoE tracker around each test."""
-    with moe_mla_on_cpu():
-        reset_moe_process_state()
-        try:
-            yield
-        finally:
-            reset_moe_process_state()
 
 
 def stock_step(model: nn.Module, batch: Batch) -> tuple[Tensor, list[float]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -79,6 +80,18 @@ def reset_moe_process_state() -> None:
 
     _clear_moe_tracker()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+@pytest.fixture(autouse=True)
+def moe_on_cpu() -> Iterator[None]:
+    """mcore's MoE router and MLA runnable without Transformer Engine; an empty MoE tracker around each
+    test. Autouse in the modules that import it."""
+    with moe_mla_on_cpu():
+        reset_moe_process_state()
+        try:
+            yield
+        finally:
+            reset_moe_process_state()
 
 
 def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
