@@ -31,7 +31,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, ensure_venv, find_python312, parse_counts  # noqa: E402
-from matrix import environment, split_pytest_args  # noqa: E402
+from matrix import base_python311, environment, requested_versions, split_pytest_args  # noqa: E402
 
 OUT = ROOT / "matrix-out" / "bridges"
 
@@ -97,13 +97,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     suite = SUITES[args.suite]
     known = {release.version: release for release in RELEASES}
-    wanted = args.versions.split(",") if args.versions else list(suite.versions)
-    unknown = [version for version in wanted if version not in known]
-    if unknown:
-        parser.error(f"unknown versions {unknown}; known: {list(known)}")
-    python311 = Path(args.python311)
-    if not python311.exists():
-        parser.error(f"{python311} does not exist: build the default venv first (make venv)")
+    wanted = requested_versions(parser, args.versions, list(suite.versions))
+    python311 = base_python311(parser, args.python311)
     interpreter312 = find_python312(args.python312)
 
     rows: dict[str, tuple[str, str]] = {}

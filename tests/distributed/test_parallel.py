@@ -227,20 +227,9 @@ def scenario_context_parallel_whole_sequence(loss_impl: str, gradients: bool) ->
 
 def _pipeline_chunks(shape: TinyGPT, vpp: Optional[int]) -> list[nn.Module]:
     """This rank's model chunks (one per virtual stage), each built with the same seed."""
-    from megatron.core import parallel_state
+    from tests.support.pipeline_parity import pipeline_chunks
 
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = {"vp_stage": vp_stage} if vpp else {}
-        chunks.append(
-            shape.build(
-                SEED,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **stage),
-                **stage,
-            )
-        )
-    return chunks
+    return pipeline_chunks(shape, SEED, vpp)
 
 
 def _run_schedule(

@@ -120,16 +120,21 @@ def test_training_micro_batches_match_stock_with_moe_mtp_layers(depth: int, loss
     torch.testing.assert_close(hooked_tracker["load_balancing_loss"], values, rtol=1e-5, atol=1e-6)
 
 
-def test_tied_embeddings_with_moe_mtp_layers_match_stock() -> None:
-    shape = TinyDeepSeek(vocab_size=VOCAB, mtp_num_layers=2, tied=True)
-    stock, hooked = shape.build(seed=5), shape.build(seed=5)
-    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=5)
+def stock_then_hooked(shape: Any, seed: int) -> tuple[nn.Module, nn.Module, list[float], dict[str, Tensor], dict[str, float]]:
+    """Twins of ``shape`` built with ``seed``: one stock step, then one hooked step on the same batch
+    (its logits equal stock's); ``(stock, hooked, stock MTP losses, stock MoE tracker, hooked metrics)``."""
+    stock, hooked = shape.build(seed=seed), shape.build(seed=seed)
+    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=seed)
     stock_logits, stock_losses = stock_step(stock, batch)
     stock_tracker = moe_tracker_values()
     reset_moe_process_state()
     hooks = mtp_hooks.attach(hooked)
     assert torch.equal(hooked_step(hooked, hooks, batch), stock_logits)
-    metrics = hooks.metrics()
+    return stock, hooked, stock_losses, stock_tracker, hooks.metrics()
+
+
+def test_tied_embeddings_with_moe_mtp_layers_match_stock() -> None:
+    stock, hooked, stock_losses, stock_tracker, metrics = stock_then_hooked(TinyDeepSeek(vocab_size=VOCAB, mtp_num_layers=2, tied=True), 5)
     assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses, rel=1e-5, abs=1e-6)
     assert_same_grads(hooked, stock)
     torch.testing.assert_close(moe_tracker_values(), stock_tracker, rtol=1e-5, atol=1e-6)
@@ -240,14 +245,7 @@ def test_hybrid_model_with_moe_layers_matches_stock() -> None:
     if HYBRID_MOE_MISSING is not None:
         pytest.skip(HYBRID_MOE_MISSING)
     shape = TinyHybridMoE(vocab_size=VOCAB)
-    stock, hooked = shape.build(seed=8), shape.build(seed=8)
-    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=8)
-    stock_logits, stock_losses = stock_step(stock, batch)
-    stock_tracker = moe_tracker_values()
-    reset_moe_process_state()
-    hooks = mtp_hooks.attach(hooked)
-    assert torch.equal(hooked_step(hooked, hooks, batch), stock_logits)
-    metrics = hooks.metrics()
+    stock, hooked, stock_losses, stock_tracker, metrics = stock_then_hooked(shape, 8)
     assert len(stock_losses) == shape.mtp_num_layers
     assert [metrics[f"mtp_{k}/loss"] for k in range(1, len(stock_losses) + 1)] == pytest.approx(stock_losses, rel=1e-5, abs=1e-6)
     assert_same_grads(hooked, stock)

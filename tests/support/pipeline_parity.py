@@ -69,8 +69,6 @@ def batches_for_this_rank() -> list[Batch]:
 
 
 def _chunks(knobs: Knobs, vpp: Optional[int]) -> list[nn.Module]:
-    from megatron.core import parallel_state as ps
-
     overrides: dict[str, Any] = {"batch_p2p_comm": False, "gradient_accumulation_fusion": knobs.fusion}
     # Unbatched p2p: gloo matches batched isend/irecv pairs in posting order, which mcore's
     # batched ordering does not keep with two ranks and VPP (see tests/distributed/test_parallel.py).
@@ -79,12 +77,19 @@ def _chunks(knobs: Knobs, vpp: Optional[int]) -> list[nn.Module]:
     if knobs.mtp_factor is not None:
         overrides["mtp_loss_scaling_factor"] = knobs.mtp_factor
     shape = TinyGPT(num_layers=2 * (vpp or 1), tied=knobs.tied, config_overrides=overrides)
+    return pipeline_chunks(shape, SEED, vpp)
+
+
+def pipeline_chunks(shape: TinyGPT, seed: int, vpp: Optional[int]) -> list[nn.Module]:
+    """This rank's model chunks (one per virtual stage), each built with ``seed``."""
+    from megatron.core import parallel_state as ps
+
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = {"vp_stage": vp_stage} if vpp else {}
         chunks.append(
             shape.build(
-                SEED,
+                seed,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, **stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, **stage),
                 **stage,
