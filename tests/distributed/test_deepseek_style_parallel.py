@@ -265,11 +265,8 @@ def scenario_expert_parallel(loss_impl: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[SpawnedGroup]:
-    spawned = SpawnedGroup(world_size=2)
-    try:
+    with SpawnedGroup(world_size=2) as spawned:
         yield spawned
-    finally:
-        spawned.close()
 
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])

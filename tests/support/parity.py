@@ -355,6 +355,12 @@ class Run:
     metrics: list[list[float]] = dataclasses.field(default_factory=list)  # hooks.metrics() per micro-batch
     grads: dict[str, Optional[Tensor]] = dataclasses.field(default_factory=dict)
 
+    def record_logprobs(self, logprobs: Tensor, entropy: Optional[Tensor]) -> None:
+        """Keep one micro-batch's log-probs (and entropy, where computed), detached."""
+        self.logprobs.append(logprobs.detach())
+        if entropy is not None:
+            self.entropy.append(entropy.detach())
+
 
 def case_batches(case: Case) -> list[tuple[Batch, Tensor]]:
     """The case's micro-batches (this CP rank's share with CP) and their advantages."""
@@ -442,9 +448,7 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
                 losses.append(_reduce(case, per_token, batch.loss_mask))
             else:
                 logprobs, entropy = stock_logprobs(case, logits, batch.labels)
-                run.logprobs.append(logprobs.detach())
-                if entropy is not None:
-                    run.entropy.append(entropy.detach())
+                run.record_logprobs(logprobs, entropy)
                 losses.append(_logprobs_loss(case, logprobs, entropy, batch.loss_mask, advantages))
         _backward(case, losses, grad_scale)
     run.grads = _grads(twin, case.fusion, grad_scale)
@@ -473,9 +477,7 @@ def run_hooked(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad
         else:
             # Float16Module returns every tuple as a plain tuple: read TokenLogProbs by position.
             logprobs, entropy = out
-            run.logprobs.append(logprobs.detach())
-            if entropy is not None:
-                run.entropy.append(entropy.detach())
+            run.record_logprobs(logprobs, entropy)
             losses.append(_logprobs_loss(case, logprobs, entropy, batch.loss_mask, advantages))
     _backward(case, losses, grad_scale)
     run.grads = _grads(twin, case.fusion, grad_scale)

@@ -373,11 +373,8 @@ def scenario_fused_vocab_parallel(objective: str) -> None:
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[SpawnedGroup]:
-    spawned = SpawnedGroup(world_size=2)
-    try:
+    with SpawnedGroup(world_size=2) as spawned:
         yield spawned
-    finally:
-        spawned.close()
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
