@@ -35,6 +35,7 @@ from tests.support.mcore_cpu import (
     grads_of,
     make_batch,
     masked_mean,
+    needs_packed_mtp,
     output_layer_calls,
     rolled,
     stock_mtp_losses,
@@ -43,10 +44,6 @@ from tests.support.mcore_cpu import (
 )
 
 SEED = 1234
-needs_packed_mtp = pytest.mark.skipif(
-    not _mcore.ROLLS_PACKED_SEQUENCES,
-    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
-)
 
 
 # ------------------------------------------------------------------ helpers run on every rank

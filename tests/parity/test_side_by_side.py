@@ -18,17 +18,12 @@ import mtp_hooks
 from megatron.core.models.gpt import gpt_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-from mtp_hooks import _mcore
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, hooked_train_step, main_ce_from_logits
-from tests.support.mcore_cpu import make_batch, masked_mean, stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.support.mcore_cpu import make_batch, masked_mean, needs_packed_mtp, stock_main_only_step, stock_mtp_losses, stock_train_step
 from tests.support.twins import Twins, assert_same_mtp_losses
 
 VOCAB = 97  # no other dimension of the tiny model is 97
 TWIN_SHAPE = TinyGPT(vocab_size=VOCAB)
-needs_packed_mtp = pytest.mark.skipif(
-    not _mcore.ROLLS_PACKED_SEQUENCES,
-    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
-)
 
 
 def assert_metrics_match_stock(metrics: dict[str, float], stock_losses: list[float], tokens: list[float]) -> None:

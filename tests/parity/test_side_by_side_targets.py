@@ -21,13 +21,14 @@ from torch import Tensor
 import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import roll_tensor
-from mtp_hooks import MTPHooksError, _mcore, mtp_targets
+from mtp_hooks import MTPHooksError, mtp_targets
 from mtp_hooks.metrics import MTPMetrics
 from tests.support.mcore_cpu import (
     Batch,
     TinyGPT,
     hooked_train_step,
     make_batch,
+    needs_packed_mtp,
     output_layer_calls,
     rolled,
     stock_mtp_losses,
@@ -92,10 +93,7 @@ def test_targets_are_stock_rolls_and_the_plain_rule(batch: int, seq: int, depth:
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=60, deadline=None)
-@pytest.mark.skipif(
-    not _mcore.ROLLS_PACKED_SEQUENCES,
-    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
-)
+@needs_packed_mtp
 def test_packed_targets_are_stock_rolls_within_each_sequence(lengths: list[int], depth: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)

@@ -13,16 +13,25 @@ import inspect
 import sys
 from typing import Any, Iterator, Optional
 
+import pytest
 import torch
 from torch import Tensor
 
 from megatron.core.models.gpt import GPTModel
+
+from mtp_hooks import _mcore
 
 from mtp_hooks.testing import *  # noqa: F401,F403 (the public helpers, under the names the tests import)
 from mtp_hooks.testing import Batch, hybrid_mtp_missing, masked_mean
 from mtp_hooks.testing import CudaToCpu as _CudaToCpu, free_port as _free_port, replace_module_class as _replace_module_class  # noqa: F401
 
 HYBRID_MTP_MISSING: Optional[str] = hybrid_mtp_missing()
+
+# Packed (THD) micro-batches with MTP: mcore's roll_tensor takes packed_seq_params from 0.16.1.
+needs_packed_mtp = pytest.mark.skipif(
+    not _mcore.ROLLS_PACKED_SEQUENCES,
+    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
+)
 
 
 def _mtp_recompute_broken() -> Optional[str]:

@@ -29,26 +29,21 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
-from mtp_hooks import _mcore
 from mtp_hooks.ops.lean_loss import lean_mtp_loss
 from mtp_hooks.ops.objectives import OBJECTIVES
+from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
-from tests.support.mcore_cpu import output_layer_calls, stock_main_only_step, thd_params
+from tests.support.mcore_cpu import needs_packed_mtp, output_layer_calls, stock_main_only_step, thd_params
 from tests.unit.test_targets import Slot
 
-TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T
-needs_packed_mtp = pytest.mark.skipif(
-    not _mcore.ROLLS_PACKED_SEQUENCES,
-    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
-)
 
 
 # ============================================================================ function level
 
 
 @dataclasses.dataclass
-class Case:
+class Case(Leaves):
     """Inputs of one ``lean_mtp_loss`` call; ``teacher`` is the main head's input at the matching position."""
 
     hidden: Tensor
@@ -56,12 +51,6 @@ class Case:
     teacher: Tensor
     labels: Tensor
     token_weight: Tensor
-
-    def leaves(self, dtype: torch.dtype, hidden_grad: bool = True, weight_grad: bool = True) -> tuple[Tensor, Tensor]:
-        return (
-            self.hidden.detach().to(dtype).clone().requires_grad_(hidden_grad),
-            self.weight.detach().to(dtype).clone().requires_grad_(weight_grad),
-        )
 
 
 def make_case(seed: int, tokens: int = TOKENS, hidden: int = HIDDEN, vocab: int = VOCAB, zero_weights: bool = True) -> Case:

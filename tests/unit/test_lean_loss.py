@@ -25,11 +25,11 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 import mtp_hooks
 from mtp_hooks.ops.lean_loss import LeanMTPLoss, lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
+from tests.support.head_cases import HIDDEN, TOKENS, VOCAB
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.support.probes import LargestOutput
 from tests.support.twins import hooked_step
 
-TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 7]  # one token, not dividing T, exactly T, more than T
 
 

@@ -24,11 +24,11 @@ from torch import Tensor
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks.ops.logprobs import lean_logprobs
+from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.support.twins import mtp_block_calls
 from tests.support.probes import LargestOutput
 
-TOKENS, HIDDEN, VOCAB = 10, 6, 13
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T
 
 
@@ -36,18 +36,12 @@ CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T
 
 
 @dataclasses.dataclass
-class Case:
+class Case(Leaves):
     hidden: Tensor
     weight: Tensor
     labels: Tensor
     grad_logprobs: Tensor  # upstream gradients of a user loss (some zero: masked tokens)
     grad_entropy: Tensor
-
-    def leaves(self, dtype: torch.dtype, hidden_grad: bool = True, weight_grad: bool = True) -> tuple[Tensor, Tensor]:
-        return (
-            self.hidden.detach().to(dtype).clone().requires_grad_(hidden_grad),
-            self.weight.detach().to(dtype).clone().requires_grad_(weight_grad),
-        )
 
 
 def make_case(seed: int, tokens: int = TOKENS, hidden: int = HIDDEN, vocab: int = VOCAB) -> Case:

@@ -23,12 +23,9 @@ from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 import mtp_hooks
 from mtp_hooks import _mcore
+from tests.support.mcore_cpu import needs_packed_mtp
 
 BOUNDED = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-needs_packed_mtp = pytest.mark.skipif(
-    not _mcore.ROLLS_PACKED_SEQUENCES,
-    reason="megatron-core < 0.16.1: roll_tensor has no packed_seq_params (mcore refuses MTP with packed sequences)",
-)
 
 
 @dataclasses.dataclass
