@@ -21,27 +21,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from tests.support.distributed import SpawnedGroup
-from tests.support.mcore_cpu import (
-    Batch,
-    assert_same_grads,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-    tracked_mtp_losses,
-)
-from tests.support.mcore_moe import (
-    DEEPSEEK_MISSING,
-    TinyDeepSeek,
-    forward_calls,
-    moe_mla_on_cpu,
-    moe_tracker_values,
-    mtp_moe_layers,
-    reduce_moe_tracker,
-    reset_moe_process_state,
-    routers,
-)
+from tests.support.mcore_cpu import Batch, assert_same_grads, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
+from tests.support.mcore_cpu import stock_mtp_losses, tracked_mtp_losses
+from tests.support.mcore_moe import DEEPSEEK_MISSING, TinyDeepSeek, forward_calls, moe_mla_on_cpu, moe_tracker_values
+from tests.support.mcore_moe import mtp_moe_layers, reduce_moe_tracker, reset_moe_process_state, routers
 
 pytestmark = pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}")
 

@@ -17,17 +17,16 @@ dropped. Needs ``requirements/bridges.txt`` (``make bridges-env``); skipped with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-import mtp_hooks
 from tests.support.bridge_models import BRIDGES_MISSING, FAMILIES, MOE_FAMILIES, BridgeModel, assert_routers_and_experts_trained
 from tests.support.bridge_models import hf_config, make_bridge, without_mtp_copy
 from tests.support.mcore_cpu import grads_of, make_batch, output_layer_calls
 from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
+from tests.support.probes import assert_training_forward_counts_more_flops, counted_flops, hooked_with_reference
 from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
 pytestmark = [
@@ -164,32 +163,20 @@ def test_detach_encoder_keeps_the_mtp_loss_out_of_decoder_and_embedding(family: 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inference_flops_equal_the_model_without_mtp_layers(family: str, with_labels: bool) -> None:
     """An inference forward does exactly the FLOPs of the same model without MTP layers, with its logits."""
-    shape = BridgeModel(family, 2)
-    model = shape.build(seed=6)
-    hooks = mtp_hooks.attach(model)
-    reference = without_mtp_copy(model, shape)
-    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=6)
-
-    def counted(run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-        with FlopCounterMode(display=False) as counter:
-            out = run()
-        return counter.get_total_flops(), out
+    model, hooks, reference, batch = hooked_with_reference(BridgeModel(family, 2), without_mtp_copy, VOCAB, SEQ, seed=6)
 
     with torch.no_grad():
-        expected_flops, expected_logits = counted(lambda: reference(*batch.model_args))
+        expected_flops, expected_logits = counted_flops(lambda: reference(*batch.model_args))
         with mtp_block_calls(model) as calls:
             if with_labels:
                 with hooks.micro_batch(batch.labels, batch.loss_mask):
-                    flops, logits = counted(lambda: model(*batch.model_args))
+                    flops, logits = counted_flops(lambda: model(*batch.model_args))
             else:
-                flops, logits = counted(lambda: model(*batch.model_args))
+                flops, logits = counted_flops(lambda: model(*batch.model_args))
     assert calls == [] and hooks.metrics() == {}
     assert torch.equal(logits, expected_logits)
     assert flops == expected_flops > 0
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        training_flops, _ = counted(lambda: model(*batch.model_args))
-    assert training_flops > flops, "the counter saw no MTP work in a training forward"
-    hooks.metrics()
+    assert_training_forward_counts_more_flops(hooks, model, batch, flops)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

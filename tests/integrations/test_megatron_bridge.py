@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import mtp_hooks
 from tests.support.bridge_models import FAMILIES, MOE_FAMILIES, assert_routers_and_experts_trained, without_mtp_copy
 from tests.support.mcore_cpu import grads_of, make_batch
 from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
 from tests.support.megatron_bridge_models import MEGATRON_BRIDGE_MISSING, ProvidedModel, make_provider
+from tests.support.probes import hooked_with_reference
 from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
 pytestmark = [
@@ -93,11 +93,7 @@ def test_detach_encoder_keeps_the_mtp_loss_out_of_decoder_and_embedding(family: 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inference_flops_equal_the_model_without_mtp_layers(family: str) -> None:
-    shape = ProvidedModel(family, 2)
-    model = shape.build(seed=6)
-    hooks = mtp_hooks.attach(model)
-    reference = without_mtp_copy(model, shape)
-    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=6)
+    model, hooks, reference, batch = hooked_with_reference(ProvidedModel(family, 2), without_mtp_copy, VOCAB, SEQ, seed=6)
     with torch.no_grad():
         with FlopCounterMode(display=False) as expected:
             expected_logits = reference(*batch.model_args)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import mtp_hooks
 from tests.support.mcore_cpu import (
@@ -40,6 +39,7 @@ from tests.support.mcore_moe import (
     reset_moe_process_state,
     routers,
 )
+from tests.support.probes import assert_training_forward_counts_more_flops, counted_flops, hooked_with_reference
 
 pytestmark = [
     pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}"),
@@ -210,30 +210,18 @@ def test_inference_flops_equal_the_model_without_mtp_layers(with_labels: bool) -
     The reference is a twin built without MTP layers holding the same weights, so it routes every
     token to the same experts; the counter is shown to see MTP work by a training forward.
     """
-    shape = TinyDeepSeek(vocab_size=VOCAB, mtp_num_layers=2)
-    model = shape.build(seed=6)
-    hooks = mtp_hooks.attach(model)
-    reference = without_mtp_twin(model, shape)
-    batch = make_batch(VOCAB, batch=2, seq=SEQ, seed=6)
-
-    def counted(run: Any) -> tuple[int, Tensor]:
-        with FlopCounterMode(display=False) as counter:
-            out = run()
-        return counter.get_total_flops(), out
+    model, hooks, reference, batch = hooked_with_reference(TinyDeepSeek(vocab_size=VOCAB, mtp_num_layers=2), without_mtp_twin, VOCAB, SEQ, seed=6)
 
     with torch.no_grad():
-        expected_flops, expected_logits = counted(lambda: reference(*batch.model_args))
+        expected_flops, expected_logits = counted_flops(lambda: reference(*batch.model_args))
         if with_labels:
             with hooks.micro_batch(batch.labels, batch.loss_mask):
-                flops, logits = counted(lambda: model(*batch.model_args))
+                flops, logits = counted_flops(lambda: model(*batch.model_args))
         else:
-            flops, logits = counted(lambda: model(*batch.model_args))
+            flops, logits = counted_flops(lambda: model(*batch.model_args))
     assert torch.equal(logits, expected_logits)
     assert flops == expected_flops > 0
-    with hooks.micro_batch(batch.labels, batch.loss_mask):
-        training_flops, _ = counted(lambda: model(*batch.model_args))
-    assert training_flops > flops, "the counter saw no MTP work in a training forward"
-    hooks.metrics()
+    assert_training_forward_counts_more_flops(hooks, model, batch, flops)
 
 
 # ------------------------------------------------------------------------------- hybrid
