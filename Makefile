@@ -29,7 +29,7 @@ matrix: venv  ## run the test suite on every supported megatron-core release
 matrix-envs: venv  ## build the matrix environments only
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) --build-only
 
-# DeepSeek-V3, GLM-4.5 and MiMo as mbridge builds them (tests/test_bridges.py) on every matrix release
+# DeepSeek-V3, GLM-4.5 and MiMo as mbridge builds them (tests/integrations/test_bridges.py) on every matrix release
 # (scripts/bridges.py): the matrix environments plus .bridges/py311 or .bridges/py312, an overlay of
 # requirements/bridges.txt installed --no-deps. Fails when mbridge is missing or a test skips.
 # BRIDGES_VERSIONS=0.16.1 picks releases; PY312 and ALLOW_SKIP as for make matrix.
@@ -41,14 +41,14 @@ bridges-env: venv  ## build the mbridge overlays (and the matrix environments th
 test-bridges: venv  ## the bridge-built families side by side with stock, on every matrix release
 	$(PY) scripts/bridges.py --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
 
-# The same families as megatron-bridge 0.6.2 provides them (tests/test_megatron_bridge.py): Python 3.12,
+# The same families as megatron-bridge 0.6.2 provides them (tests/integrations/test_megatron_bridge.py): Python 3.12,
 # megatron-core 0.19.2, .bridges/py312-mb (requirements/bridges-megatron.txt, transformers 5.12.1).
 test-megatron-bridge: venv  ## the bridge-built families through megatron-bridge providers (Python 3.12, mcore 0.19.2)
 	$(PY) scripts/bridges.py --suite megatron-bridge --python311 $(PY) $(BRIDGES_OPTS) -- $(PYTEST_ARGS)
 
 # verl 0.9.1 (requirements/verl.txt, exact pins) in .verl/py311 and .verl/py312, installed with
 # --no-deps --target and put on PYTHONPATH over .venv / .venv-py312 (scripts/verl_env.py), and the
-# verl integration tests (tests/test_verl*.py) on megatron-core 0.16.1 and 0.19.2. They fail,
+# verl integration tests (tests/integrations/test_verl*.py) on megatron-core 0.16.1 and 0.19.2. They fail,
 # not skip, when verl cannot be imported. PYTHONPATH=.verl/py311 .venv/bin/python imports verl.
 VERL_OPTS = $(if $(PY312),--python312 $(PY312))
 

@@ -1,4 +1,4 @@
-"""Run the bridge-built families (``tests/test_bridges.py``) on every megatron-core release of the matrix.
+"""Run the bridge-built families (``tests/integrations/test_bridges.py``) on every megatron-core release of the matrix.
 
 The environments are the matrix's (``scripts/matrix.py``): the base venv of each Python and
 ``.mcore/<version>`` first on ``PYTHONPATH``. On top of them, after the megatron-core folder, comes
@@ -9,7 +9,7 @@ Unlike ``make test`` this fails when a test skips: here a skip means mbridge or 
 missing, or a release cannot build a family, which is what the run is for. A requested release
 that cannot run (no Python 3.12 interpreter) fails too, unless ``--allow-skip``.
 
-``--suite megatron-bridge`` runs ``tests/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
+``--suite megatron-bridge`` runs ``tests/integrations/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
 (Python 3.12 only) on megatron-core 0.19.2, with ``.bridges/py312-mb`` from
 ``requirements/bridges-megatron.txt`` (transformers 5.12.1).
 
@@ -31,7 +31,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from matrix import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, ensure_venv, find_python312, parse_counts  # noqa: E402
-from matrix import environment, split_pytest_args  # noqa: E402
+from matrix import base_python311, environment, requested_versions, split_pytest_args  # noqa: E402
 
 OUT = ROOT / "matrix-out" / "bridges"
 
@@ -46,9 +46,9 @@ class Suite:
 
 SUITES = {
     # mbridge 0.15.1 + transformers 4.57.1: every matrix release
-    "mbridge": Suite("tests/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
+    "mbridge": Suite("tests/integrations/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
     # megatron-bridge 0.6.2 + transformers 5.12.1: Python 3.12 only, run on the newest release
-    "megatron-bridge": Suite("tests/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
+    "megatron-bridge": Suite("tests/integrations/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
 }
 
 
@@ -97,13 +97,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     suite = SUITES[args.suite]
     known = {release.version: release for release in RELEASES}
-    wanted = args.versions.split(",") if args.versions else list(suite.versions)
-    unknown = [version for version in wanted if version not in known]
-    if unknown:
-        parser.error(f"unknown versions {unknown}; known: {list(known)}")
-    python311 = Path(args.python311)
-    if not python311.exists():
-        parser.error(f"{python311} does not exist: build the default venv first (make venv)")
+    wanted = requested_versions(parser, args.versions, list(suite.versions))
+    python311 = base_python311(parser, args.python311)
     interpreter312 = find_python312(args.python312)
 
     rows: dict[str, tuple[str, str]] = {}

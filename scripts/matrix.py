@@ -84,6 +84,24 @@ def run(command: list[str], **kwargs: object) -> None:
     subprocess.run(command, check=True, cwd=ROOT, **kwargs)  # type: ignore[call-overload]
 
 
+def requested_versions(parser: argparse.ArgumentParser, versions: Optional[str], default: list[str]) -> list[str]:
+    """The releases of a comma-separated ``--versions`` (``default`` without it); an unknown one is a usage error."""
+    known = [release.version for release in RELEASES]
+    wanted = versions.split(",") if versions else list(default)
+    unknown = [version for version in wanted if version not in known]
+    if unknown:
+        parser.error(f"unknown versions {unknown}; known: {known}")
+    return wanted
+
+
+def base_python311(parser: argparse.ArgumentParser, path: str) -> Path:
+    """``--python311`` as a path; a usage error where it does not exist."""
+    python311 = Path(path)
+    if not python311.exists():
+        parser.error(f"{python311} does not exist: build the default venv first (make venv)")
+    return python311
+
+
 def find_python312(explicit: Optional[str]) -> Optional[str]:
     candidates = [explicit] if explicit else [shutil.which("python3.12"), "/root/.pyenv/versions/3.12.1/bin/python"]
     for candidate in candidates:
@@ -177,7 +195,7 @@ def parse_counts(text: str) -> dict[str, int]:
     return {}
 
 
-# The releases whose suite runs the parity matrix's whole default set (tests/test_parity_matrix.py;
+# The releases whose suite runs the parity matrix's whole default set (tests/parity/test_parity_matrix.py;
 # 0.16.1 is `make test`'s); the others run its pairwise set, for CI's time (MTP_PARITY=pairwise).
 FULL_PARITY_RELEASES = ("0.16.1", "0.19.2")
 
@@ -282,14 +300,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     known = {release.version: release for release in RELEASES}
-    wanted = args.versions.split(",") if args.versions else list(known)
-    unknown = [version for version in wanted if version not in known]
-    if unknown:
-        parser.error(f"unknown versions {unknown}; known: {list(known)}")
-
-    python311 = Path(args.python311)
-    if not python311.exists():
-        parser.error(f"{python311} does not exist: build the default venv first (make venv)")
+    wanted = requested_versions(parser, args.versions, list(known))
+    python311 = base_python311(parser, args.python311)
     interpreter312 = find_python312(args.python312)
     python312: Optional[Path] = None
 

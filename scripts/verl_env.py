@@ -35,7 +35,7 @@ import matrix  # noqa: E402
 
 ROOT = matrix.ROOT
 REQUIREMENTS = ROOT / "requirements" / "verl.txt"
-TESTS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_verl*.py"))
+TESTS = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests" / "integrations").glob("test_verl*.py"))
 
 
 def ensure_verl(python: Path, tag: str) -> Path:
@@ -88,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.build_only:
         return 0
     if not (pytest_args or TESTS):
-        matrix.log("FAILED: no tests/test_verl*.py to run")
+        matrix.log("FAILED: no tests/integrations/test_verl*.py to run")
         return 1
     codes = [run_tests(version, python, path, pytest_args) for version, python, path in built]
     return 1 if any(codes) else 0

@@ -17,14 +17,14 @@ from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
     MTPLossLoggingHelper,
 )
 
-from tests.mcore_cpu import cuda_current_device_is_cpu, init_parallel  # noqa: E402
+from tests.support.mcore_cpu import cuda_current_device_is_cpu, init_parallel  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--parity-full",
         action="store_true",
-        help="tests/test_parity_matrix.py: the whole product of the knobs (not only its 3-wise covering set and sub-grid)",
+        help="tests/parity/test_parity_matrix.py: the whole product of the knobs (not only its 3-wise covering set and sub-grid)",
     )
 
 

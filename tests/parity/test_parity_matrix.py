@@ -1,0 +1,136 @@
+"""The hooked model against a stock twin over the product of the knobs (harness: ``tests/support/parity.py``).
+
+Knobs (``parity.AXES``): output mode (logits; log-probs with and without entropy, temperature 0.7),
+loss path (``lean`` auto, ``fused``, ``recompute``, ``dense``), tied / untied head, gradient-
+accumulation fusion under mcore's DDP (``main_grad`` compared), fp32 / bf16 / fp16 (``Float16Module``,
+fp16 with a loss scaler at 2^12), detach flags, ``calculate_per_token_loss``, ``torch.utils.checkpoint``
+of the model call, and 1 or 2 micro-batches in flight (all forwards first, backwards in forward or
+reverse order). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2.
+
+Default set (``make test``): every combination of values of any 3 knobs (a greedy 3-wise covering
+set), the full product of output x loss path x head x fusion x checkpoint x micro-batches at fp32,
+and on two ranks every pair of values of the layout and the knobs. ``--parity-full`` (or
+``MTP_PARITY=full``): the whole single-process product and a 3-wise covering set on two ranks.
+``MTP_PARITY=pairwise``: a pairwise covering set on one process (the two-rank set as by default),
+what ``scripts/matrix.py`` runs on the releases other than 0.16.1 and 0.19.2, for CI's time.
+
+Every knob exists on megatron-core 0.14 - 0.19 (each release runs the whole default set), so no
+case skips.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from tests.support import parity
+from tests.support.distributed import SpawnedGroup
+from tests.support.parity import AXES, LAYOUTS, Case
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# The cheap sub-grid whose full product always runs: every knob that decides which gradient path
+# the head takes and when the targets are read; the rest at their defaults (fp32, no detach, mean loss).
+SUB_GRID = {name: AXES[name] for name in ("output", "loss_impl", "tied", "fusion", "checkpoint", "micro_batches")}
+LAYOUT_GROUPS = {
+    "tp": {"tensor_model_parallel_size": 2},
+    "sp": {"tensor_model_parallel_size": 2},
+    "cp": {"context_parallel_size": 2},
+}
+
+
+def _unique(rows: list[dict[str, Any]]) -> list[Case]:
+    cases = {Case(**row): None for row in rows}
+    return list(cases)
+
+
+MODES = ("default", "pairwise", "full")
+
+
+def parity_mode(config: pytest.Config) -> str:
+    """``full`` with ``--parity-full``, else ``MTP_PARITY`` (``default``, ``pairwise`` or ``full``)."""
+    mode = "full" if config.getoption("--parity-full") else os.environ.get("MTP_PARITY", "default")
+    if mode not in MODES:
+        raise pytest.UsageError(f"MTP_PARITY: expected one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def single_process_cases(mode: str) -> list[Case]:
+    if mode == "full":
+        return _unique(parity.product(AXES))
+    if mode == "pairwise":
+        return _unique(parity.covering(AXES, 2))
+    return _unique(parity.covering(AXES, 3) + parity.product(SUB_GRID))
+
+
+def two_rank_cases(mode: str) -> list[Case]:
+    return _unique(parity.covering({"layout": LAYOUTS, **AXES}, 3 if mode == "full" else 2))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" in metafunc.fixturenames:
+        mode = parity_mode(metafunc.config)
+        cases = single_process_cases(mode) + two_rank_cases(mode)
+        metafunc.parametrize("case", [pytest.param(case, id=case.id) for case in cases])
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[SpawnedGroup]:
+    with SpawnedGroup(world_size=2) as spawned:
+        yield spawned
+
+
+def test_hooked_matches_stock(case: Case, request: pytest.FixtureRequest) -> None:
+    if case.layout is None:
+        parity.run_case(case)
+    else:
+        group: SpawnedGroup = request.getfixturevalue("group")
+        differences = group.run(parity.scenario_case, LAYOUT_GROUPS[case.layout], case=case)
+        assert differences == [None] * len(differences), "\n".join(f"rank {rank}: {d}" for rank, d in enumerate(differences) if d)
+
+
+# --------------------------------------------------------------------------- the harness itself
+
+
+@pytest.mark.parametrize("strength", [2, 3])
+def test_covering_sets_hold_every_combination_and_are_deterministic(strength: int) -> None:
+    rows = parity.covering(AXES, strength)
+    assert parity.is_covering(rows, AXES, strength)
+    assert not parity.is_covering(rows[:-1], AXES, strength), "the last row added nothing"
+    assert rows == parity.covering(AXES, strength)
+    assert len(rows) < len(parity.product(AXES)) // 50
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["output_layer.weight", "mtp.layers.0.eh_proj.weight"])
+def test_the_comparison_catches_a_slightly_wrong_gradient(dtype: str, where: str) -> None:
+    """The tolerances are not vacuous: a hooked gradient scaled by 1.001 (fp32) or 1.05 (bf16,
+    a few times its unit roundoff) fails the comparison that the unchanged one passes."""
+    case = Case(dtype=dtype)
+    hooked, stock, reference = parity.run_twins(case)
+    parity.compare(case, hooked, stock, reference)
+    grad = hooked.grads[where]
+    assert grad is not None
+    hooked.grads[where] = grad * (1.001 if dtype == "fp32" else 1.05)
+    with pytest.raises(AssertionError, match=where.replace(".", r"\.")):
+        parity.compare(case, hooked, stock, reference)
+
+
+def test_the_comparison_catches_wrong_mtp_losses() -> None:
+    case = Case(output="logprobs_entropy")
+    hooked, stock, reference = parity.run_twins(case)
+    hooked.metrics[0] = [hooked.metrics[0][0] * 1.001, hooked.metrics[0][1]]
+    with pytest.raises(AssertionError, match="MTP losses, hooks.metrics"):
+        parity.compare(case, hooked, stock, reference)
+
+
+def test_the_stock_detach_reference_differs_from_plain_stock() -> None:
+    """The detach references change stock's gradients where the flags cut a path (a reference equal
+    to plain stock would let a no-op flag pass)."""
+    _, plain, _ = parity.run_twins(Case(), stock_only=True)
+    for detach, cut in (("encoder", "decoder.layers.0.mlp.linear_fc1.weight"), ("head", "output_layer.weight"), ("between", "mtp.layers.0.eh_proj.weight")):
+        _, stock, _ = parity.run_twins(Case(detach=detach), stock_only=True)
+        assert not torch.allclose(stock.grads[cut], plain.grads[cut]), f"detach {detach}: {cut} unchanged"

@@ -1,0 +1,85 @@
+"""The install path the README documents: the floors in pyproject.toml are the versions CI runs.
+
+``scripts/check_install.sh`` (run by ``.ci/run``) runs the README's install commands in a fresh
+virtualenv; this test pins what they rely on without installing anything.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def _floors() -> dict[str, str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for requirement in project["dependencies"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)(,<[0-9.]+)?", requirement.replace(" ", ""))
+        assert match, f"dependency without a >= floor: {requirement!r}"
+        floors[match.group(1).lower()] = match.group(2)
+    return floors
+
+
+def _same_release(floor: str, pin: str) -> bool:
+    """``2.13`` names the same release as ``2.13.0``."""
+    pad = lambda v: tuple(int(p) for p in v.split(".")) + (0,) * (3 - len(v.split(".")))  # noqa: E731
+    return pad(floor) == pad(pin)
+
+
+def test_torch_and_wrapt_floors_are_the_pinned_default_stack() -> None:
+    floors, pins = _floors(), _pins(ROOT / "requirements" / "py311.txt")
+    for name in ("torch", "wrapt"):
+        assert _same_release(floors[name], pins[name]), (name, floors[name], pins[name])
+
+
+def test_megatron_core_floor_is_the_oldest_release_ci_runs() -> None:
+    floors = _floors()
+    tested = sorted(
+        (tuple(int(p) for p in m.group(1).split(".")), m.group(1))
+        for m in (re.fullmatch(r"mcore-([0-9.]+)\.txt", p.name) for p in (ROOT / "requirements").iterdir())
+        if m
+    )
+    assert tested, "no requirements/mcore-<version>.txt"
+    assert _same_release(floors["megatron-core"], tested[0][1]), (floors["megatron-core"], tested[0][1])
+    assert tested[0][1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_python_floor_is_the_default_stacks_python() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+    assert "PYTHON ?= python3.11" in (ROOT / "Makefile").read_text()
+
+
+def test_readme_install_installs_torch_first_and_constrains_to_ci_stack() -> None:
+    readme = (ROOT / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    script = (ROOT / "scripts" / "check_install.sh").read_text()
+    assert 'pip install -e ".[test]" -c requirements/py311.txt' in install
+    assert '-e ".[test]" -c requirements/py311.txt' in script
+    assert "torch" in install.split('pip install -e ".[test]"', 1)[0], "torch must come before mtp_hooks"
+    assert "make install-check" in (ROOT / ".ci" / "run").read_text()
+    assert "scripts/check_install.sh" in (ROOT / "Makefile").read_text().split("install-check:", 1)[1].split("\n\n", 1)[0]
+
+
+def test_ci_runs_every_readme_command() -> None:
+    """Each command the README's Commands table names is run by .ci/run (quick forms where it has them)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    commands = sorted(set(re.findall(r"^\| `(make [a-z0-9-]+)", readme.split("## Commands", 1)[1].split("\n## ", 1)[0], re.M)))
+    assert "make demo" in commands and "make bench" in commands, commands
+    for command in commands:
+        assert re.search(rf"^[^#]*{command}\b", ci, re.M), f"{command} is in the README's Commands table but .ci/run does not run it"
+    assert 'BENCH_ARGS="--quick' in ci and 'ACCEPTANCE_ARGS="--quick' in ci

@@ -1,0 +1,49 @@
+"""The package's layout rule: the kernels in ``mtp_hooks/ops`` know nothing of the hook runtime.
+
+A module of ``ops`` imports the standard library, torch, megatron-core, other modules of ``ops``
+and ``mtp_hooks.errors`` (the exception types, which import nothing of the package), so a kernel
+can be replaced or reused without the hooks. Read from the source, nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mtp_hooks"
+OPS_MAY_IMPORT = ("torch", "megatron", "mtp_hooks.ops", "mtp_hooks.errors")
+
+
+def imported_modules(path: pathlib.Path) -> list[str]:
+    """Every module ``path`` imports (absolute names; ``from . import x`` resolved against its package)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names += [base] if node.module else [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _allowed(name: str, allowed: tuple[str, ...]) -> bool:
+    top = name.split(".")[0]
+    return top == "__future__" or top in sys.stdlib_module_names or any(name == a or name.startswith(a + ".") for a in allowed)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "ops").glob("*.py")), ids=lambda p: p.name)
+def test_ops_modules_import_nothing_of_the_hook_runtime(path: pathlib.Path) -> None:
+    foreign = [name for name in imported_modules(path) if not _allowed(name, OPS_MAY_IMPORT)]
+    assert not foreign, f"mtp_hooks/ops/{path.name} imports {foreign}; ops may import only {OPS_MAY_IMPORT} and the standard library"
+
+
+def test_errors_imports_nothing_of_the_package() -> None:
+    own = [name for name in imported_modules(PACKAGE / "errors.py") if name.split(".")[0] == "mtp_hooks"]
+    assert not own, f"mtp_hooks/errors.py imports {own}; ops relies on it being a leaf"
