@@ -64,6 +64,7 @@ def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, co
     correct and total counts of its acceptance metrics. No host sync.
     """
     loss = ce_sum.detach() * (tokens > 0) / tokens.clamp(min=1)
+    _fit_tracker(depth)
     avg_group = None
     if parallel_state.model_parallel_is_initialized():
         avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -73,6 +74,15 @@ def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, co
         )
     else:
         MTPLossLoggingHelper.save_loss_to_tracker(loss, depth_index, depth, avg_group=avg_group)
+
+
+def _fit_tracker(depth: int) -> None:
+    """Grow the tracker's per-depth tensors to ``depth`` entries (zeros added), for a chain of more
+    draft steps than the depths a stock forward (or another model) recorded before."""
+    tracker = MTPLossLoggingHelper.tracker
+    for key, value in list(tracker.items()):
+        if isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] < depth:
+            tracker[key] = torch.cat([value, value.new_zeros(depth - value.shape[0])])
 
 
 def check_call_conventions(model: nn.Module, detach_encoder: bool) -> None:

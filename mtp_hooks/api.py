@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import nn
 
+from mtp_hooks.chain import DraftInputs
 from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks
@@ -39,6 +40,8 @@ def attach(
     objective: Objective = "ce",
     agreement_metrics: bool = False,
     draft_temperature: float = 1.0,
+    draft_steps: Optional[int] = None,
+    draft_inputs: DraftInputs = "labels",
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -89,7 +92,16 @@ def attach(
             ``softmax(logits / T)``, both tempered as a speculative sampler at T draws the draft
             token from the tempered draft and verifies it against the tempered target. The CE on
             the labels (``"ce"``, ``mtp_k/loss``) stays untempered. A float > 0; other than 1.0
-            only with a draft objective or ``agreement_metrics``.
+            only with a draft objective, ``agreement_metrics`` or ``draft_inputs="sample"``.
+        draft_steps: train a chain of k draft steps (``mtp_hooks.chain``); ``None``: the model's N
+            MTP layers. Step j <= N is layer j, steps past N reuse the last layer, as engines
+            that draft k > N tokens do; every step's loss (the chosen ``objective``) targets the
+            token at ``t + j + 1``, the loss weight split evenly over the k steps. mcore 0.15+,
+            with every MTP layer on the output layer's pipeline stage.
+        draft_inputs: what feeds steps 2..k: ``"labels"`` (teacher forcing: the data's token,
+            as mcore trains), ``"argmax"`` or ``"sample"`` (the previous step's own draft: its
+            argmax, or a sample at ``draft_temperature``, as a speculative decoder feeds it),
+            always with the previous step's output hidden state. The draft token is detached.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;
@@ -145,6 +157,8 @@ def attach(
         objective=objective,
         agreement_metrics=agreement_metrics,
         draft_temperature=draft_temperature,
+        draft_steps=draft_steps,
+        draft_inputs=draft_inputs,
         output=output,
         entropy=entropy,
         temperature=temperature,

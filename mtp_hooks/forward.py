@@ -25,6 +25,7 @@ from torch import nn
 
 from mtp_hooks import _mcore
 from mtp_hooks.arguments import CallArguments
+from mtp_hooks.chain import check_chain
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale
 from mtp_hooks.errors import bad_argument, bad_state, other_thread
 from mtp_hooks.interrupts import forwards_on_stack
@@ -50,7 +51,8 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks):
 
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
-        self.depth: int = model.config.mtp_num_layers
+        self.layers: int = model.config.mtp_num_layers
+        self.depth: int = options.steps(model.config)  # draft steps trained: the layers, or ``draft_steps``
         self.metrics = MTPMetrics(self.depth)
         self.loss_path: Optional[str] = None  # of the last completed training forward
         self._arguments = CallArguments(model)
@@ -83,7 +85,9 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks):
         return model
 
     def install(self, model: nn.Module) -> list[Any]:
-        _mcore.check_call_conventions(model, self.options.detach_encoder)
+        options = self.options
+        _mcore.check_call_conventions(model, options.detach_encoder)
+        check_chain(model, options.draft_steps, options.draft_inputs)
         pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
         post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
         done = model.register_forward_hook(self.on_model_done, with_kwargs=True, always_call=True)
@@ -100,9 +104,13 @@ class ForwardHooks(ForwardTargets, SubmoduleHooks):
             handles.append(model.mtp.register_forward_hook(self.on_mtp_block_post))
             self._last["block"] = handles[-1].id
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
-            if self.options.detach_encoder:
+            if options.detach_encoder or options.feeds_drafts:
                 for layer in model.mtp.layers:
                     handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
+            if self.depth > self.layers:  # the chain's extra steps call the last layer again
+                last = model.mtp.layers[-1]
+                handles.append(last.register_forward_pre_hook(self.on_last_layer_pre, with_kwargs=True, prepend=True))
+                handles.append(last.register_forward_hook(self.on_last_layer_post))
         return handles
 
     def _keep_order(self, model: nn.Module) -> None:

@@ -66,7 +66,7 @@ class MTPHooks:
 
     @property
     def depth(self) -> int:
-        """Number of MTP layers (``config.mtp_num_layers``)."""
+        """Number of draft steps trained: ``config.mtp_num_layers``, or ``draft_steps``."""
         return self._hooks.depth
 
     @property

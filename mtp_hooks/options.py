@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
+from mtp_hooks.chain import DRAFT_INPUTS, DraftInputs
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
 from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature
@@ -37,6 +38,9 @@ class Options:
     agreement_metrics: bool = False
     # The speculative sampler's temperature: the draft objectives and the acceptance at softmax(logits / T).
     draft_temperature: float = 1.0
+    # The draft chain (``chain``): steps trained (None: the model's N layers) and what feeds steps 2..k.
+    draft_steps: Optional[int] = None
+    draft_inputs: DraftInputs = "labels"
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -74,12 +78,17 @@ class Options:
                 "'dense'",
             )
         object.__setattr__(self, "draft_temperature", check_temperature("draft_temperature", self.draft_temperature))
-        if self.draft_temperature != 1.0 and not self.compares_with_main_head:
+        if self.draft_temperature != 1.0 and not (self.compares_with_main_head or self.draft_inputs == "sample"):
             raise bad_argument(
                 "draft_temperature",
-                "1.0 unless objective is 'distill', 'tv' or 'accept' or agreement_metrics=True ('ce' trains on the labels, untempered)",
+                "1.0 unless objective is 'distill', 'tv' or 'accept', agreement_metrics=True or draft_inputs='sample' "
+                "('ce' trains on the labels, untempered)",
                 describe(self.draft_temperature),
             )
+        if self.draft_steps is not None and (isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int) or self.draft_steps < 1):
+            raise bad_argument("draft_steps", "None or an int >= 1 (at least the model's MTP layers)", describe(self.draft_steps))
+        if self.draft_inputs not in DRAFT_INPUTS:
+            raise bad_argument("draft_inputs", " or ".join(map(repr, DRAFT_INPUTS)), describe(self.draft_inputs))
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
         if self.entropy and self.output != "logprobs":
@@ -101,8 +110,17 @@ class Options:
         """Whether each depth is scored against the main head (agreement metrics, draft objectives)."""
         return self.agreement_metrics or self.objective != "ce"
 
+    @property
+    def feeds_drafts(self) -> bool:
+        """Whether steps 2..k read the previous step's own draft instead of the data's token."""
+        return self.draft_inputs != "labels"
+
+    def steps(self, config: Any) -> int:
+        """Draft steps trained per forward: ``draft_steps``, or the model's ``mtp_num_layers``."""
+        return config.mtp_num_layers if self.draft_steps is None else self.draft_steps
+
     def mtp_loss_scale(self, config: Any) -> Any:
-        """The total MTP loss weight (split evenly over depths): ``loss_scale``, or where it is
+        """The total MTP loss weight (split evenly over the draft steps): ``loss_scale``, or where it is
         ``None`` the model's ``config.mtp_loss_scaling_factor`` as it reads now."""
         return config.mtp_loss_scaling_factor if self.loss_scale is None else self.loss_scale
 
@@ -110,6 +128,10 @@ class Options:
         """Refuse options that the model's config leaves undefined."""
         if self.loss_scale is None and config.mtp_loss_scaling_factor is None:
             raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
+        if self.draft_steps is not None and self.draft_steps < config.mtp_num_layers:
+            raise bad_argument(
+                "draft_steps", f"None or an int >= the model's {config.mtp_num_layers} MTP layers (layer j is step j)", describe(self.draft_steps)
+            )
 
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults, in declaration order."""

@@ -62,6 +62,8 @@ class ForwardState:
     main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
     mtp_layer_calls: int = 0
+    last_layer_call: Optional[tuple[dict[str, Any], Any]] = None  # the chain: the last MTP layer's kwargs and output
+    draft_head: Any = None  # the chain's own drafts: ``chain.draft_head``, read once per forward
     attached: bool = False
     loss_path: Optional[str] = None
     in_own_head_call: bool = False

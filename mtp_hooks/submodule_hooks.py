@@ -23,7 +23,9 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 
-from mtp_hooks import _mcore, deferral, heads
+import torch
+
+from mtp_hooks import _mcore, chain, deferral, heads
 from mtp_hooks.interrupts import forwards_on_stack
 from mtp_hooks.ops.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
@@ -39,7 +41,8 @@ class SubmoduleHooks:
     """Mixin of ``ForwardHooks``: the hooks on the decoder, the MTP block and layers, the output layer."""
 
     options: Options
-    depth: int
+    depth: int  # draft steps trained
+    layers: int  # the model's MTP layers
     forward: Optional[ForwardState]
     _originals: Originals
     recover_abandoned: Callable[..., None]  # ``ForwardHooks``: drops a forward an interrupt abandoned
@@ -60,12 +63,32 @@ class SubmoduleHooks:
                 state.output_weight = weight
         return None
 
-    def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> Optional[Tensor]:
+        state = self.forward
+        if state is None or not state.train or state.thread != threading.get_ident():
+            return None
+        extended = None
+        if self.depth > self.layers:  # the chain's steps past the N layers (``chain``), before the swaps end
+            if state.last_layer_call is None:
+                raise AssertionError("mtp_hooks: the MTP block returned without a call of its last layer")
+            kwargs, last = state.last_layer_call
+            extended = torch.cat([output, *chain.extra_steps(block.layers[-1], kwargs, last, self.depth - self.layers)])
+        state.restore_swaps()
+        state.block_output = output if extended is None else extended
+        state.open_window(self._current_originals(state.model), mtp_process_off=True)
+        return extended
+
+    def on_last_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The chain: the block's own arguments of its last MTP layer's call, before any hook rewrites them."""
         state = self.forward
         if state is not None and state.train and state.thread == threading.get_ident():
-            state.restore_swaps()
-            state.block_output = output
-            state.open_window(self._current_originals(state.model), mtp_process_off=True)
+            state.last_layer_call = (dict(kwargs), None)
+        return None
+
+    def on_last_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        state = self.forward
+        if state is not None and state.train and state.thread == threading.get_ident() and state.last_layer_call is not None:
+            state.last_layer_call = (state.last_layer_call[0], output)
         return None
 
     def _current_originals(self, model: nn.Module) -> Originals:
@@ -199,8 +222,18 @@ class SubmoduleHooks:
 
     def on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
         state = self.forward
-        if state is None or not state.train:
+        if state is None or not state.train or state.thread != threading.get_ident():
             return None
+        options = self.options
+        if options.feeds_drafts and state.mtp_layer_calls > 0 and kwargs.get("embedding") is not None:
+            # Step j >= 2 of the chain: the previous step's own draft, from the hidden state it hands on.
+            if state.draft_head is None:
+                state.draft_head = chain.draft_head(state.model, options.chunk_size)
+            temperature = options.draft_temperature if options.draft_inputs == "sample" else None
+            kwargs["embedding"] = chain.DraftEmbedding(kwargs["embedding"], chain.step_drafts(state.draft_head, kwargs["hidden_states"], temperature))
+        if not options.detach_encoder:
+            state.mtp_layer_calls += 1
+            return args, kwargs
         if kwargs.get("embedding") is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
         dynamic_cp = getattr(kwargs.get("packed_seq_params"), "cp_group", None)

@@ -1,0 +1,119 @@
+"""The draft chain (``attach(draft_steps=k, draft_inputs=...)``): train the MTP layers the way a
+speculative decoder runs them.
+
+mcore trains depth j on the data's token at ``t + j`` (teacher forcing) and has exactly N depths.
+An engine drafting k tokens reuses the last MTP layer for steps past N and feeds step j the token
+step j - 1 drafted, with that step's output hidden state. The chain here does the same inside the
+training forward, with hooks only:
+
+* steps past N: when the MTP block returns, its last layer is called again ``k - N`` times
+  (``extra_steps``), each call with the block's own keyword arguments for that layer and the
+  previous call's returned hidden state, ids and positions; the outputs join the block's output,
+  so the heads see ``1 + k`` chunks and train k steps against labels rolled k times;
+* own drafts: the pre-hook of every MTP layer call after the first gives the layer's embedding
+  call the previous step's draft (``DraftEmbedding``): the argmax, or a sample at
+  ``draft_temperature``, of the main head's weight on the hidden state that call receives
+  (``step_drafts``, lean and vocab-parallel). The token is a discrete, detached choice: no
+  gradient flows through it. The hidden state keeps its gradient (step j's loss trains steps
+  before it through the state it was handed, as mcore's depths do), unless
+  ``detach_between_depths`` cuts it.
+
+Each step's attention runs over that step's states at every position: mcore's depth geometry,
+that of a full draft forward. An engine's cache holds, for earlier positions, the states of its
+first step; the chain changes the inputs and the layer reuse, not the attention context.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal, Optional, get_args
+
+import torch
+from torch import Tensor, nn
+
+from mtp_hooks.errors import MTPHooksError, bad_argument
+from mtp_hooks.ops.drafts import draft_tokens
+from mtp_hooks.output_head import Head
+from mtp_hooks.proxies import _ObjectProxy
+
+DraftInputs = Literal["labels", "argmax", "sample"]
+DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
+
+
+class DraftEmbedding(_ObjectProxy):  # type: ignore[misc]
+    """An embedding module called with the chain's draft tokens ``[b, s]`` in place of the input
+    ids the MTP layer rolled (the positions it rolled are kept)."""
+
+    def __init__(self, embedding: Any, tokens: Tensor) -> None:
+        super().__init__(embedding)
+        self._self_tokens = tokens
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        if "input_ids" in kwargs:
+            kwargs["input_ids"] = self._self_tokens
+        else:
+            args = (self._self_tokens, *args[1:])
+        return self.__wrapped__(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError("DraftEmbedding lives for one forward and is not meant to be copied")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError("DraftEmbedding lives for one forward and is not meant to be copied")
+
+
+def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
+    """The main head as the drafts use it: the output layer with the weight mcore hands it."""
+    layer = model.output_layer
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
+    head = Head.of(layer, weight, chunk_size)
+    if not head.reproducible:
+        raise MTPHooksError(
+            "draft_inputs: own drafts are chosen from the head's logits without calling the output layer, which would "
+            "bypass what its calls do\n"
+            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
+            "its own, no hooks other than mtp_hooks' own)\n"
+            f"  received: a {type(layer).__name__} whose call does more; use draft_inputs='labels'"
+        )
+    return head
+
+
+def step_drafts(head: Head, hidden: Tensor, temperature: Optional[float]) -> Tensor:
+    """The drafts ``[b, s]`` the head proposes from an MTP layer's output ``hidden`` ``[s(/tp), b, h]``."""
+    with torch.no_grad():
+        full = head.input(hidden.detach())
+        s, b = full.shape[0], full.shape[1]
+        tokens = draft_tokens(full.reshape(s * b, -1), head.weight.detach(), head.tp_group, head.chunk(s * b), temperature)
+    return tokens.view(s, b).t().contiguous()
+
+
+def extra_steps(layer: nn.Module, kwargs: dict[str, Any], output: Any, count: int) -> list[Tensor]:
+    """Call the last MTP ``layer`` ``count`` more times, each on the previous call's ``output``
+    ``(hidden, input_ids, position_ids[, padding_mask])`` with the block's ``kwargs`` for it."""
+    hidden_states = []
+    for _ in range(count):
+        call = dict(kwargs, hidden_states=output[0], input_ids=output[1], position_ids=output[2])
+        if len(output) > 3:
+            call["padding_mask"] = output[3]
+        output = layer(**call)
+        hidden_states.append(output[0])
+    return hidden_states
+
+
+def check_chain(model: nn.Module, steps: Optional[int], inputs: str) -> None:
+    """Refuse a chain the model cannot run, once at ``attach``."""
+    if steps is None and inputs == "labels" or not getattr(model, "mtp_process", False):
+        return
+    depth = model.config.mtp_num_layers
+    layers = list(model.mtp.layers)
+    parameters = inspect.signature(type(layers[-1]).forward).parameters
+    if "input_ids" not in parameters or "embedding" not in parameters:
+        raise bad_argument(
+            "draft_steps", "a megatron-core release whose MTP layers embed their own input ids (0.15+)", "0.14's MTP layer call"
+        )
+    repeated = bool(getattr(model.config, "mtp_use_repeated_layer", False))
+    if len(layers) != (1 if repeated else depth) or not getattr(model, "post_process", False):
+        raise bad_argument(
+            "draft_steps", "every MTP layer on the pipeline stage of the output layer (the chain reuses the last one)",
+            f"{len(layers)} of {depth} MTP layers on a stage {'with' if model.post_process else 'without'} the output layer",
+        )
