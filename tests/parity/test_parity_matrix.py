@@ -20,6 +20,7 @@ case skips.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Iterator
 
@@ -134,3 +135,23 @@ def test_the_stock_detach_reference_differs_from_plain_stock() -> None:
     for detach, cut in (("encoder", "decoder.layers.0.mlp.linear_fc1.weight"), ("head", "output_layer.weight"), ("between", "mtp.layers.0.eh_proj.weight")):
         _, stock, _ = parity.run_twins(Case(detach=detach), stock_only=True)
         assert not torch.allclose(stock.grads[cut], plain.grads[cut]), f"detach {detach}: {cut} unchanged"
+
+
+def test_the_stock_chain_reference_differs_from_plain_stock() -> None:
+    """Each chain reference changes what stock trains: more depths tracked, other MTP gradients."""
+    _, plain, _ = parity.run_twins(Case(), stock_only=True)
+    for chain in ("k2_argmax", "k3", "k4_argmax"):
+        _, stock, _ = parity.run_twins(Case(chain=chain), stock_only=True)
+        assert len(stock.mtp[0]) == Case(chain=chain).steps
+        grad, plain_grad = stock.grads["mtp.layers.1.eh_proj.weight"], plain.grads["mtp.layers.1.eh_proj.weight"]
+        assert grad is not None and plain_grad is not None and not torch.allclose(grad, plain_grad), f"chain {chain}: last layer's gradient unchanged"
+
+
+def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -> None:
+    """A hooked chain fed the data's tokens (teacher forcing) fails against the own-draft reference."""
+    case = Case(chain="k4_argmax")
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    hooked, _, _ = parity.run_twins(dataclasses.replace(case, chain="none"), hooked_options={"draft_steps": 4})
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="MTP losses|differs"):
+        parity.compare(case, hooked, stock, reference)

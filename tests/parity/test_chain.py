@@ -1,0 +1,186 @@
+"""The draft chain (``draft_steps``, ``draft_inputs``; ``mtp_hooks.chain``) beyond the parity matrix.
+
+The matrix (``parity.AXES["chain"]``) runs k = 2 (own argmax drafts), 3 (teacher-forced) and 4
+(own argmax drafts) on the N = 2 twins against stock's own k-depth loss with the chain applied by
+hooks (``parity.stock_chain``), over every other knob and TP / SP / CP. Here: k = N teacher-forced
+bit for bit against no option, sampled drafts against a dense Gumbel reference, the sampler's
+distribution, packed sequences, mcore's repeated layer, per-step metrics and the refusals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import mtp_hooks
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.transformer_config import TransformerConfig
+from mtp_hooks import MTPHooksError
+from mtp_hooks.ops.drafts import draft_tokens, gumbel_noise
+from tests.support.mcore_cpu import TinyGPT, grads_of, hooked_train_step, make_batch, masked_mean, needs_packed_mtp
+from tests.support.mcore_cpu import assert_same_grads, stock_mtp_losses
+from tests.support.parity import Case, stock_chain
+
+VOCAB = 64
+SHAPE = TinyGPT(vocab_size=VOCAB)
+HAS_REPEATED_LAYER = "mtp_use_repeated_layer" in {field.name for field in dataclasses.fields(TransformerConfig)}
+
+
+def _train(options: dict[str, Any], seed: int = 0, **shape: Any) -> tuple[torch.nn.Module, dict[str, float], torch.Tensor]:
+    model = TinyGPT(vocab_size=VOCAB, **shape).build()
+    hooks = mtp_hooks.attach(model, **options)
+    torch.manual_seed(seed)
+    logits = hooked_train_step(model, hooks, make_batch(VOCAB, batch=2, seq=8))
+    return model, hooks.metrics(), logits
+
+
+@pytest.mark.parametrize("options", [{}, {"agreement_metrics": True, "objective": "tv"}, {"loss_impl": "dense"}, {"detach_encoder": True, "detach_between_depths": True}])
+def test_n_teacher_forced_steps_are_todays_path_bit_for_bit(options: dict[str, Any]) -> None:
+    base, base_metrics, base_logits = _train(options)
+    chain, chain_metrics, chain_logits = _train({**options, "draft_steps": 2, "draft_inputs": "labels"})
+    assert torch.equal(base_logits, chain_logits)
+    assert base_metrics == chain_metrics
+    for name, grad in grads_of(base).items():
+        other = grads_of(chain)[name]
+        assert (grad is None) == (other is None) and (grad is None or torch.equal(grad, other)), name
+
+
+def _sampled_reference(temperature: float) -> tuple[torch.nn.Module, list[float]]:
+    """Stock with the chain's definition (``parity.stock_chain``'s argmax reference, the draws
+    replaced by a dense Gumbel-max sample: the same noise from the same generator state)."""
+    model = SHAPE.build()
+    calls = [0]
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0))
+
+    def feed(layer: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            with torch.no_grad():
+                hidden = kwargs["hidden_states"]
+                logits = (hidden @ model.output_layer.weight.t()).float()
+                s, b = logits.shape[:2]
+                noise = gumbel_noise(s * b, VOCAB, logits.device).view(s, b, VOCAB)
+                drafts = (logits / temperature + noise).argmax(-1).t().contiguous()
+            embedding = kwargs["embedding"]
+            kwargs["embedding"] = lambda **call: embedding(**{**call, "input_ids": drafts})
+        return args, kwargs
+
+    for layer in model.mtp.layers:
+        layer.register_forward_pre_hook(feed, with_kwargs=True)
+    batch = make_batch(VOCAB, batch=2, seq=8)
+    stock_mtp_losses()
+    torch.manual_seed(0)
+    per_token = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+    masked_mean(per_token, batch.loss_mask).backward()
+    return model, stock_mtp_losses()
+
+
+def test_sampled_drafts_match_a_dense_gumbel_reference() -> None:
+    stock, stock_losses = _sampled_reference(0.7)
+    hooked, metrics, _ = _train({"draft_inputs": "sample", "draft_temperature": 0.7, "agreement_metrics": True, "chunk_size": 1 << 20})
+    assert [metrics["mtp_1/loss"], metrics["mtp_2/loss"]] == pytest.approx(stock_losses, rel=1e-5)
+    assert_same_grads(hooked, stock)
+    argmax, argmax_metrics, _ = _train({"draft_inputs": "argmax"})
+    assert argmax_metrics["mtp_2/loss"] != pytest.approx(metrics["mtp_2/loss"], rel=1e-4), "the sample fed the argmax"
+
+
+def test_sampled_drafts_follow_the_tempered_distribution() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(5, 3)
+    hidden = torch.randn(1, 3).expand(40_000, 3).contiguous()
+    for temperature in (1.0, 0.5):
+        tokens = draft_tokens(hidden, weight, None, 4096, temperature)
+        expected = torch.softmax((hidden[0] @ weight.t()) / temperature, -1)
+        share = torch.bincount(tokens, minlength=5).double() / len(tokens)
+        stderr = (expected * (1 - expected) / len(tokens)).sqrt()
+        assert ((share - expected).abs() <= 4 * stderr + 1e-12).all(), (temperature, share, expected)
+    tied = torch.tensor([[0.0], [2.0], [2.0], [1.0]])  # logits 0, 2, 2, 1 for a hidden state of 1
+    assert draft_tokens(torch.ones(1, 1), tied, None, 1, None).tolist() == [1]  # ties: the lowest id
+
+
+@needs_packed_mtp
+@pytest.mark.parametrize("chain", ["k3", "k4_argmax"])
+def test_packed_sequences_keep_every_step_inside_its_sequence(chain: str) -> None:
+    """THD: the chain against stock's own k-depth packed loss with the chain applied by hooks."""
+    lengths = [6, 5, 4]
+    batch = make_batch(VOCAB, batch=1, seq=sum(lengths))
+    batch.position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    cu = torch.tensor([0, 6, 11, 15], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    case = Case(chain=chain)
+    stock, hooked = SHAPE.build(), SHAPE.build()
+    with stock_chain(stock, case):
+        stock_mtp_losses()
+        per_token = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=params)
+        masked_mean(per_token, batch.loss_mask).backward()
+        stock_losses = stock_mtp_losses()
+    hooks = mtp_hooks.attach(hooked, **case.options)
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = hooked(*batch.model_args, packed_seq_params=params)
+    from tests.support.mcore_cpu import main_ce_from_logits
+
+    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    metrics = hooks.metrics()
+    steps = case.steps
+    assert [metrics[f"mtp_{k}/loss"] for k in range(1, steps + 1)] == pytest.approx(stock_losses, rel=1e-5)
+    mask = batch.loss_mask[0]
+    bounds = ((0, 6), (6, 11), (11, 15))
+    for k in range(1, steps + 1):  # step k never reaches across a sequence boundary
+        assert metrics[f"mtp_{k}/tokens"] == float(sum(mask[start + k : end].sum() for start, end in bounds))
+    assert_same_grads(hooked, stock)
+
+
+@pytest.mark.skipif(not HAS_REPEATED_LAYER, reason="megatron-core < 0.17: no mtp_use_repeated_layer")
+@pytest.mark.parametrize("steps", [2, 3])
+def test_one_layer_chain_teacher_forced_equals_stocks_repeated_layer(steps: int) -> None:
+    """N = 1 with ``draft_steps=k`` is stock's ``mtp_use_repeated_layer`` with k depths (same weights)."""
+    hooked = TinyGPT(vocab_size=VOCAB, mtp_num_layers=1).build()
+    stock = TinyGPT(vocab_size=VOCAB, mtp_num_layers=steps, config_overrides={"mtp_use_repeated_layer": True}).build()
+    assert len(stock.mtp.layers) == 1
+    stock.load_state_dict(hooked.state_dict())
+    batch = make_batch(VOCAB, batch=2, seq=8)
+    stock_mtp_losses()
+    masked_mean(stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask), batch.loss_mask).backward()
+    stock_losses = stock_mtp_losses()
+    hooks = mtp_hooks.attach(hooked, draft_steps=steps)
+    hooked_train_step(hooked, hooks, batch)
+    metrics = hooks.metrics()
+    assert [metrics[f"mtp_{k}/loss"] for k in range(1, steps + 1)] == pytest.approx(stock_losses, rel=1e-5)
+    assert_same_grads(hooked, stock)
+
+
+def test_every_step_reports_its_acceptance_and_the_chain_its_length() -> None:
+    _, metrics, _ = _train({"draft_steps": 4, "draft_inputs": "argmax", "agreement_metrics": True})
+    for k in range(1, 5):
+        assert 0.0 <= metrics[f"mtp_{k}/accept"] <= 1.0 and f"mtp_{k}/agree" in metrics
+    assert "mtp_5/loss" not in metrics
+    assert 0.0 <= metrics["mtp/accept_len"] <= 4.0
+    _, two, _ = _train({"agreement_metrics": True})
+    assert metrics["mtp/accept_len"] > two["mtp/accept_len"], "two more steps add to the expected length"
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"draft_steps": 1}, "draft_steps: .*expected: None or an int >= the model's 2 MTP layers.*received: 1"),
+        ({"draft_steps": 0}, "draft_steps: .*expected: None or an int >= 1.*received: 0"),
+        ({"draft_steps": 2.0}, "draft_steps: .*expected: None or an int >= 1.*received: 2.0"),
+        ({"draft_inputs": "greedy"}, "draft_inputs: .*expected: 'labels' or 'argmax' or 'sample'.*received: 'greedy'"),
+        ({"draft_inputs": "argmax", "draft_temperature": 0.7}, "draft_temperature: .*expected: 1.0 unless.*draft_inputs='sample'"),
+    ],
+)
+def test_bad_chain_options_are_refused_at_attach(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(MTPHooksError, match=f"(?s){match}"):
+        mtp_hooks.attach(SHAPE.build(), **options)
+
+
+def test_own_drafts_refuse_an_output_layer_whose_call_does_more() -> None:
+    model = SHAPE.build()
+    model.output_layer.register_forward_hook(lambda *_: None)  # a foreign hook: the lean heads cannot reproduce the call
+    hooks = mtp_hooks.attach(model, draft_inputs="argmax")
+    with pytest.raises(MTPHooksError, match="draft_inputs: own drafts"):
+        hooked_train_step(model, hooks, make_batch(VOCAB, batch=2, seq=8))
+    assert model.config.mtp_num_layers == 2 and model.mtp_process  # left stock
