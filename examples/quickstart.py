@@ -5,7 +5,8 @@
 Builds a tiny GPTModel with two MTP layers (on the GPU if one is visible, else on the CPU in a few
 seconds), attaches the hooks, runs one training micro-batch (the model returns the main head's
 logits, the MTP layers train in the same forward), one inference micro-batch (no MTP work at all),
-prints the MTP metrics and removes the hooks.
+prints the MTP metrics (with ``agreement_metrics=True`` also the draft's expected acceptance) and
+removes the hooks.
 """
 
 from __future__ import annotations
@@ -67,10 +68,20 @@ def format_metrics(metrics: dict[str, float]) -> str:
     return "  ".join(f"{name}={float(value):.4g}" for name, value in metrics.items()) or "(none)"
 
 
+def acceptance_problems(metrics: dict[str, float], depths: int) -> list[str]:
+    """What is off in the acceptance metrics of ``agreement_metrics=True``: per depth ``mtp_k/agree`` and
+    ``mtp_k/accept`` are shares in [0, 1], ``mtp/accept_len`` (accepted draft tokens) is in [0, depths]."""
+    bounds = {f"mtp_{k}/{name}": 1.0 for k in range(1, depths + 1) for name in ("agree", "accept")}
+    bounds["mtp/accept_len"] = float(depths)
+    return [f"{name}={metrics.get(name)}, expected in [0, {bound:g}]" for name, bound in bounds.items()
+            if not 0.0 <= metrics.get(name, float("nan")) <= bound]  # missing, NaN or inf fails too
+
+
 def main() -> None:
     with runtime() as device:
         model = tiny_gpt_with_mtp(device)
-        hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True)
+        # agreement_metrics: also measure the draft's acceptance (mtp_k/agree, mtp_k/accept, mtp/accept_len)
+        hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True, agreement_metrics=True)
 
         input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
         position_ids = torch.arange(SEQ, device=device).expand(BATCH, SEQ)
@@ -99,6 +110,7 @@ def main() -> None:
         for k in range(1, model.config.mtp_num_layers + 1):
             if not (trained.get(f"mtp_{k}/tokens", 0) > 0 and torch.isfinite(torch.tensor(float(trained[f"mtp_{k}/loss"])))):
                 problems.append(f"no finite mtp_{k} metrics: {trained}")
+        problems += acceptance_problems(trained, depths=model.config.mtp_num_layers)
 
         # Inference micro-batch (old-policy or reference log-probs): the MTP block does not run.
         with torch.no_grad():
@@ -121,7 +133,7 @@ def main() -> None:
         if problems:
             print("verdict: NOT as expected: " + "; ".join(problems))
             raise SystemExit(1)
-        print("verdict: logits and MTP gradients as expected, hooks removed cleanly")
+        print("verdict: logits, MTP gradients and acceptance metrics as expected, hooks removed cleanly")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Each iteration:
    inside ``hooks.micro_batch(labels, loss_mask)`` and returns logits, the clipped surrogate loss
    is computed from them, and the MTP layers train on the sampled completions in the same forward
    and backward (the schedule sets ``MTPLossAutoScaler``'s scale); then an optimizer step;
-5. the MTP metrics of the iteration, and mcore's own MTP loss tracker once something feeds it.
+5. the MTP metrics of the iteration, with the draft's expected acceptance (``agreement_metrics=True``:
+   ``mtp_k/accept``, ``mtp/accept_len``), and mcore's own MTP loss tracker once something feeds it.
 
 Simplified, to stay tiny: random prompts; the reward is a rule (the share of even token ids in the
 completion); sampling re-runs the whole sequence per new token (no KV cache); no KL penalty; plain
@@ -38,7 +39,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 import mtp_hooks  # noqa: E402
 from mtp_hooks.testing import runtime  # noqa: E402  (only the CPU needs more than stock mcore)
-from quickstart import VOCAB, format_metrics, tiny_gpt_with_mtp, token_logprobs  # noqa: E402
+from quickstart import VOCAB, acceptance_problems, format_metrics, tiny_gpt_with_mtp, token_logprobs  # noqa: E402
 
 PROMPTS = 2
 GROUP = 4  # completions per prompt
@@ -142,7 +143,8 @@ def _signed(value: float) -> str:
 def main() -> None:
     with runtime() as device:
         model = tiny_gpt_with_mtp(device)
-        hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True)
+        # agreement_metrics: the draft's acceptance at draft_temperature=1.0, the rollout's sampling temperature
+        hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True, agreement_metrics=True)
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
         prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT_LEN), device=device)
         history: list[dict[str, float]] = []
@@ -182,11 +184,12 @@ def main() -> None:
         for iteration, metrics in enumerate(history, 1):
             if not all(metrics.get(f"mtp_{k}/tokens", 0) > 0 and float(metrics[f"mtp_{k}/loss"]) < float("inf") for k in depths):
                 problems.append(f"iteration {iteration}: not every MTP depth trained: {metrics}")
+            problems += [f"iteration {iteration}: {problem}" for problem in acceptance_problems(metrics, len(depths))]
         if problems:
             print("verdict: NOT as expected: " + "; ".join(problems))
             raise SystemExit(1)
         first, last = (sum(float(m[f"mtp_{k}/loss"]) for k in depths) / len(depths) for m in (history[0], history[-1]))
-        print(f"verdict: every MTP depth trained in all {ITERATIONS} iterations through mcore's schedule"
+        print(f"verdict: every MTP depth trained in all {ITERATIONS} iterations through mcore's schedule, acceptance metrics in range"
               + (", mcore's tracker equals the hooks' losses" if tracked else "")
               + f"; mean MTP loss {first:.4g} -> {last:.4g} ({'fell' if last < first else 'did not fall'}: "
               f"on random prompts each iteration trains on new completions of a changing policy, so over {ITERATIONS} "

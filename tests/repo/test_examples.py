@@ -1,5 +1,6 @@
 """The examples in ``examples/`` run as a new user runs them (``python examples/<name>.py``) and print
-finite MTP metrics for every depth, a verdict line, and exactly what the README's Quickstart shows.
+finite MTP metrics for every depth (the draft's acceptance included), a verdict line, and exactly what
+the README's Quickstart shows.
 
 Each runs in its own interpreter: the examples start their own process group and mcore parallel
 state, which this test session already holds. The repository root goes first on ``PYTHONPATH``
@@ -23,7 +24,7 @@ import megatron.core
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # a few seconds on 2 idle cores; generous for a loaded CI machine
-METRIC = re.compile(r"(mtp_\d+/\w+)=(\S+)")
+METRIC = re.compile(r"(mtp(?:_\d+)?/\w+)=(\S+)")  # mtp_k/loss, ..., mtp/accept_len
 NUMBER = re.compile(r"[-+]?\d[\d.e+-]*")
 
 
@@ -83,6 +84,8 @@ def assert_every_depth_trained(metrics: dict[str, float], depths: int) -> None:
         assert metrics[f"mtp_{k}/tokens"] > 0, metrics
         assert math.isfinite(metrics[f"mtp_{k}/loss"]) and metrics[f"mtp_{k}/loss"] > 0, metrics
         assert 0.0 <= metrics[f"mtp_{k}/acc"] <= 1.0, metrics
+        assert 0.0 <= metrics[f"mtp_{k}/agree"] <= 1.0 and 0.0 <= metrics[f"mtp_{k}/accept"] <= 1.0, metrics
+    assert 0.0 <= metrics["mtp/accept_len"] <= depths, metrics  # expected accepted draft tokens of the N depths
 
 
 def test_quickstart_trains_mtp_on_the_training_micro_batch_and_prints_its_metrics() -> None:
@@ -93,7 +96,7 @@ def test_quickstart_trains_mtp_on_the_training_micro_batch_and_prints_its_metric
     trained = metrics_lines(output)
     assert len(trained) == 1, output
     assert_every_depth_trained(trained[0], depths=2)
-    assert output.splitlines()[-1] == "verdict: logits and MTP gradients as expected, hooks removed cleanly", output
+    assert output.splitlines()[-1] == "verdict: logits, MTP gradients and acceptance metrics as expected, hooks removed cleanly", output
     assert_readme_shows_the_output("quickstart.py", output)
 
 
