@@ -19,7 +19,7 @@ from typing import Any, Optional
 from megatron.core.transformer import multi_token_prediction as _mtp
 
 from benchmarks.configs import Config, Shape
-from benchmarks.variants import DEFAULT_HOOKS, DETACH_HEAD, TRAINER_VARIANTS
+from benchmarks.variants import CHAIN_VARIANTS, DEFAULT_HOOKS, DETACH_HEAD, TRAINER_VARIANTS
 
 MIB = 2**20
 TP = 1  # the benchmarks run one rank
@@ -298,6 +298,7 @@ def markdown(config: Config, result: dict[str, Any], plot_name: Optional[str] = 
               "verl's engine passes labels to its `no_grad` log-prob passes too, so its patch runs the MTP block and "
               "heads there as well, and returns logits."]
     lines += ["", *_goal_lines(config, point["goals"])]
+    lines += _chain_lines(config, point["variants"])
     for sweep in sweeps(config):
         lines += ["", *_sweep_lines(config, result, sweep, sweep_title(config, sweep))]
     lines += ["", *_trainer_lines(config, result)]
@@ -391,6 +392,30 @@ def _goal_lines(config: Config, g: dict[str, Any]) -> list[str]:
     if "time" in g:
         wall = f"; wall {ratio_range(g['wall'])}" if g.get("wall") else ""
         lines.append(f"| {GOALS['time']} | {ratio_range(g['time'])}{wall} | {g['time_verdict']} |")
+    return lines
+
+
+def _chain_lines(config: Config, variants: dict[str, Any]) -> list[str]:
+    """The draft chain's training cost per step past N: against ``draft_steps`` = N (the default
+    hooks) and against the no-MTP floor, in FLOPs and peak live memory."""
+    base, floor = variants.get(DEFAULT_HOOKS), variants.get("no_mtp")
+    rows = [(name, variants[name], options) for name, (_label, options) in CHAIN_VARIANTS.items() if name in variants]
+    if base is None or floor is None or not rows:
+        return []
+    depth = config.base.mtp
+    lines = ["", f"The draft chain (`draft_steps` past the model's N = {depth} layers), training micro-batch, base shape: "
+             "the cost of each step past N, against `draft_steps` = N (`attach(model)`) and the no-MTP floor. A teacher-forced "
+             "step costs what one of today's depths costs; fed drafts add one no-grad head matmul per step after the first "
+             "(steps 2..N included), spread here over the steps past N.", "",
+             "| variant | steps past N | GFLOP per step past N | × N-step MTP GFLOP per step | peak MiB per step past N | peak × floor |",
+             "|---|---:|---:|---:|---:|---:|"]
+    mtp_flops = (base["train"]["flops"] - floor["train"]["flops"]) / depth  # one depth of today's MTP work
+    for _name, v, options in rows:
+        extra = options["draft_steps"] - depth
+        d_flops = (v["train"]["flops"] - base["train"]["flops"]) / extra
+        d_peak = (v["train"]["peak_bytes"] - base["train"]["peak_bytes"]) / extra
+        lines.append(f"| {v['label']} | {extra} | {_gflop(d_flops)} | {d_flops / mtp_flops:.3f} | {_mib(d_peak)} | "
+                     f"{v['train']['peak_bytes'] / floor['train']['peak_bytes']:.2f} |")
     return lines
 
 

@@ -16,6 +16,8 @@ Variants:
 * ``no_mtp``: the same model built without MTP layers; the floor for inference.
 * ``hooks_<loss_impl>``: ``mtp_hooks.attach(model, loss_impl=...)``, one per value of
   ``HOOKS_LOSS_IMPLS``; ``hooks_lean_detach_head`` adds ``detach_head=True``.
+* ``hooks_chain_k3`` / ``hooks_chain_k4_sample``: the draft chain, ``draft_steps`` = N + 1 (teacher-forced)
+  and N + 2 with every step after the first fed its own sampled draft (``CHAIN_VARIANTS``).
 * ``trainer_logits`` / ``trainer_logprobs``: an RL trainer's own loss, a policy gradient with an entropy
   bonus from per-token log-probs and entropies: from the returned logits (``log_softmax`` in fp32,
   ``gather``, entropy), or from ``output="logprobs", entropy=True``. Their inference micro-batch is the
@@ -42,6 +44,12 @@ from benchmarks.models import Batch
 HOOKS_LOSS_IMPLS: tuple[str, ...] = ("lean", "recompute", "dense")
 DEFAULT_HOOKS = "hooks_lean"  # the variant the goals are stated for: attach(model) as users call it
 DETACH_HEAD = "hooks_lean_detach_head"
+# The draft chain (``mtp_hooks.chain``) past the base shape's N = 2 layers: one teacher-forced step
+# more, and two more fed their own sampled drafts (each such step adds one no-grad head matmul).
+CHAIN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hooks_chain_k3": ("mtp_hooks lean, draft_steps=3", {"draft_steps": 3}),
+    "hooks_chain_k4_sample": ("mtp_hooks lean, draft_steps=4, sampled drafts", {"draft_steps": 4, "draft_inputs": "sample"}),
+}
 
 
 def masked_mean(per_token: Tensor, mask: Tensor) -> Tensor:
@@ -202,6 +210,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("no_mtp", "no MTP layers", False, _nothing, _plain_train, _plain_infer),
         *(_hooks_variant(f"hooks_{impl}", f"mtp_hooks {impl}", loss_impl=impl) for impl in HOOKS_LOSS_IMPLS),
         _hooks_variant(DETACH_HEAD, "mtp_hooks lean + detach_head", loss_impl="lean", detach_head=True),
+        *(_hooks_variant(name, label, loss_impl="lean", **options) for name, (label, options) in CHAIN_VARIANTS.items()),
         Variant("trainer_logits", "trainer loss on logits", True, _trainer(output="logits"),
                 _trainer_logits_train, _trainer_logits_infer),
         Variant("trainer_logprobs", 'trainer loss on output="logprobs"', True, _trainer(output="logprobs", entropy=True),
