@@ -184,3 +184,21 @@ def test_own_drafts_refuse_an_output_layer_whose_call_does_more() -> None:
     with pytest.raises(MTPHooksError, match="draft_inputs: own drafts"):
         hooked_train_step(model, hooks, make_batch(VOCAB, batch=2, seq=8))
     assert model.config.mtp_num_layers == 2 and model.mtp_process  # left stock
+
+
+def test_a_checkpoint_recompute_draws_the_same_sampled_drafts() -> None:
+    """torch.utils.checkpoint restores the RNG state for its recompute, so the recomputed chain is fed
+    the drafts its forward drew: the gradients are those of the plain forward."""
+    options = {"draft_steps": 3, "draft_inputs": "sample", "draft_temperature": 0.7}
+    plain, _, _ = _train(options)
+    model = SHAPE.build()
+    hooks = mtp_hooks.attach(model, **options)
+    batch = make_batch(VOCAB, batch=2, seq=8)
+    torch.manual_seed(0)
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = torch.utils.checkpoint.checkpoint(model, *batch.model_args, use_reentrant=False)
+    from tests.support.mcore_cpu import main_ce_from_logits
+
+    torch.manual_seed(1)  # the backward's recompute must not depend on the generator's state by then
+    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    assert_same_grads(model, plain)
