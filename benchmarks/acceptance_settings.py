@@ -89,7 +89,10 @@ SETTINGS: dict[str, dict[str, Setting]] = {
                                      eval_every=1, eval_rollouts=3),
     },
 }
-SETTINGS["code"]["chain"] = dataclasses.replace(_CODE, mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
+# One temperature, twice the quick RL steps (the chain's training needs steps to show) and more evaluation
+# rollouts (steps 2..3 are tried only after step 1 is accepted).
+SETTINGS["code"]["chain"] = dataclasses.replace(_CODE, mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS, rl_steps=16,
+                                                eval_rollouts=32)
 SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 
