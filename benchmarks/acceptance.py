@@ -15,6 +15,9 @@ the interpreter's own standard library, a byte-level BPE, function-definition pr
 verified on the generated code (it must parse, and double quotes score), run at rollout temperatures
 T = 1.0 and 0.7 with the drafts trained at the same T; ``words``: the synthetic 12-word language
 (``benchmarks/acceptance_task.py``, V = 32, T = 1.0, the four original variants).
+``--task code --config chain``: an N = 1 model, variants that also train a chain of k = 3 draft
+steps (``ce+tf`` teacher-forced, ``ce+chain`` / ``accept+chain`` on their own sampled drafts), and
+every variant evaluated drafting k = 3 steps as an engine does (``benchmarks/acceptance_chain.py``).
 
 Main and MTP parameters have separate Adam optimizers, rollouts come from one seeded generator,
 and after every step the main parameters of all variants are checked to be bit-identical: the
@@ -51,6 +54,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  
 
 import mtp_hooks  # noqa: E402
 from benchmarks import acceptance_report, models  # noqa: E402
+from benchmarks.acceptance_chain import evaluate_chain, training_options  # noqa: E402
 from benchmarks.acceptance_code import CodeTask  # noqa: E402
 from benchmarks.acceptance_spec import (  # noqa: E402
     DraftCapture,
@@ -62,13 +66,13 @@ from benchmarks.acceptance_spec import (  # noqa: E402
     speculative_sampling,
 )
 from benchmarks.acceptance_pretrain import forward, pretrained  # noqa: E402
-from benchmarks.acceptance_settings import CODE_VARIANTS, SETTINGS, WORD_VARIANTS, Setting, config, overrides, shape_of  # noqa: E402
+from benchmarks.acceptance_settings import CHAIN_VARIANTS, CODE_VARIANTS, SETTINGS, WORD_VARIANTS, Setting, config, overrides, shape_of  # noqa: E402
 from benchmarks.acceptance_task import WordTask, group_advantages, next_token_targets, policy_gradient_loss, sample_rollouts  # noqa: E402
 
 SEEDS = (0, 1, 2)
 CACHE = Path("bench-out/acceptance-cache")
 TASKS = {"words": WordTask, "code": CodeTask}
-__all__ = ["CODE_VARIANTS", "SETTINGS", "WORD_VARIANTS", "Setting", "chain_tokens_per_step", "config", "main", "run", "run_seeds", "run_task", "shape_of"]
+__all__ = ["CHAIN_VARIANTS", "CODE_VARIANTS", "SETTINGS", "WORD_VARIANTS", "Setting", "chain_tokens_per_step", "config", "main", "run", "run_seeds", "run_task", "shape_of"]
 
 
 def _is_mtp(name: str) -> bool:
@@ -93,7 +97,7 @@ class Arm:
     name: str
     model: nn.Module
     hooks: mtp_hooks.MTPHooks
-    capture: DraftCapture
+    capture: Optional[DraftCapture]  # None: the chain's evaluation probes the model itself
     main_opt: torch.optim.Optimizer
     mtp_opt: Optional[torch.optim.Optimizer]
 
@@ -101,11 +105,10 @@ class Arm:
 def _make_arm(name: str, state: dict[str, Tensor], setting: Setting, temperature: float) -> Arm:
     model = models.build(config(setting), shape_of(setting), setting.mtp)
     model.load_state_dict(state)
-    objective = "ce" if name == "frozen" else name
-    hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True, objective=objective, agreement_metrics=True,
-                             draft_temperature=temperature)
+    hooks = mtp_hooks.attach(model, **training_options(name, temperature, setting.chain))
     mtp_opt = None if name == "frozen" else torch.optim.Adam(mtp_parameters(model), lr=setting.mtp_lr)
-    return Arm(name, model, hooks, DraftCapture(model), torch.optim.Adam(main_parameters(model), lr=setting.rl_lr), mtp_opt)
+    capture = None if setting.chain else DraftCapture(model)
+    return Arm(name, model, hooks, capture, torch.optim.Adam(main_parameters(model), lr=setting.rl_lr), mtp_opt)
 
 
 def _rl_step(arm: Arm, tokens: Tensor, advantages: Tensor, prompt: int) -> Tensor:
@@ -181,6 +184,8 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
     eval_gen = torch.Generator().manual_seed(setting.seed + 3)
     steps: list[int] = []
     results: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
+    train_seconds: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    evaluate_arm = evaluate_chain if setting.chain else evaluate
     rewards: list[float] = []
     kls: list[float] = []
     eval_rewards: list[float] = []
@@ -201,11 +206,11 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
         examples[step] = task.examples(rollouts[:3])
         line = []
         for arm in arms:
-            out = evaluate(arm, rollouts, setting, seed=setting.seed + 1000 + step, temperature=temperature)
+            out = evaluate_arm(arm, rollouts, setting, seed=setting.seed + 1000 + step, temperature=temperature)
             results[arm.name].append(out)
-            line.append(f"{arm.name} {out['accept'][0]:.3f}/{out['accept'][1]:.3f}")
+            line.append(f"{arm.name} " + "/".join(f"{a:.3f}" for a in out["accept"]))
         shown = ", ".join(f"{name} {values[-1]:.3f}" for name, values in measures.items())
-        log(f"  step {step:>4}: held-out reward {eval_rewards[-1]:.3f}, {shown}, KL {eval_kls[-1]:.4f}; accept_1/accept_2: " + ", ".join(line))
+        log(f"  step {step:>4}: held-out reward {eval_rewards[-1]:.3f}, {shown}, KL {eval_kls[-1]:.4f}; accept per depth: " + ", ".join(line))
 
     log(f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps, T = {temperature}), "
         f"variants {', '.join(setting.variants)}")
@@ -219,7 +224,9 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
         with torch.no_grad():
             ref_logits = forward(reference, rollouts)
         for i, arm in enumerate(arms):
+            began = time.perf_counter()
             logits = _rl_step(arm, rollouts, advantages, setting.prompt)
+            train_seconds[arm.name].append(time.perf_counter() - began)
             if i == 0:  # the policy that sampled these rollouts, before its update
                 kls.append(kl_to_reference(logits, ref_logits, next_token_targets(rollouts, setting.prompt)[1], temperature))
         assert_same_policy(arms, step)
@@ -229,10 +236,11 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
         if not torch.equal(before, after):
             raise AssertionError("the frozen variant's MTP parameters changed")
     for arm in arms:
-        arm.capture.remove()
+        if arm.capture is not None:
+            arm.capture.remove()
         arm.hooks.remove()
     ref_hooks.remove()
-    k_range = range(1, setting.mtp + 1)
+    k_range = range(1, (setting.chain or setting.mtp) + 1)
     variants = {
         name: {
             **{f"accept_{k}": [r["accept"][k - 1] for r in rows] for k in k_range},
@@ -244,6 +252,7 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
             **{f"tried_{k}": [r["tried"][k - 1] for r in rows] for k in k_range},
             "realised_tokens_per_step": [r["realised_tokens_per_step"] for r in rows],
             "accept_recomputed_max_diff": max(r["accept_recomputed_max_diff"] for r in rows),
+            "train_seconds_per_step": sum(train_seconds[name]) / max(len(train_seconds[name]), 1),
         }
         for name, rows in results.items()
     }
@@ -291,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="code", help="code (default): the standard library's source; words: the synthetic language")
     parser.add_argument("--quick", action="store_true", help="the short schedule (3 seeds in minutes on 2 cores)")
-    parser.add_argument("--config", "--setting", dest="setting", help="named schedule: quick, full (default), smoke; code also gpu (one CUDA device)")
+    parser.add_argument("--config", "--setting", dest="setting", help="named schedule: quick, full (default), smoke; code also gpu (one CUDA device), chain (k = 3 drafts from N = 1), chain-smoke")
     parser.add_argument("--set", default="", metavar="FIELD=VALUE,...", help="override sizes or schedule, e.g. hidden=32,layers=1,device=cpu")
     parser.add_argument("--out", type=Path, default=Path("bench-out/acceptance"))
     parser.add_argument("--cache", type=Path, default=CACHE, help="tokenizer, token streams and pretrained models (code task)")

@@ -248,7 +248,15 @@ def markdown_code(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _is_chain(result: dict[str, Any]) -> bool:
+    return "runs" in result and bool(result["runs"][0]["setting"].get("chain"))
+
+
 def markdown(result: dict[str, Any]) -> str:
+    if _is_chain(result):
+        from benchmarks.acceptance_chain_report import markdown_chain
+
+        return markdown_chain(result)
     return markdown_code(result) if "temperatures" in result else markdown_words(result)
 
 
@@ -259,5 +267,9 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     if "temperatures" in result:
         for temperature, record in result["temperatures"].items():
             plot(record, out / f"acceptance-T{temperature}.png", title=f"T = {temperature}: ")
+    elif _is_chain(result):
+        from benchmarks.acceptance_chain_report import plot_chain
+
+        plot_chain(result, out / "acceptance-chain.png")
     else:
         plot(result, out / "acceptance.png")

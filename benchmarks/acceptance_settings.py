@@ -1,7 +1,8 @@
 """Settings of the acceptance benchmark: task, model sizes and schedules per named mode.
 
 Per task: ``quick`` (CI; minutes on 2 cores), ``full`` (the published run), ``smoke`` (the tests,
-seconds); the code task also ``gpu``, which scales V, h and the layers up for one CUDA device.
+seconds); the code task also ``gpu``, which scales V, h and the layers up for one CUDA device, and
+``chain`` (``chain-smoke``): an N = 1 model drafting k = 3 steps, with the chain-trained variants.
 ``benchmarks.acceptance --set field=value,...`` overrides any field (e.g. the gpu schedule at tiny
 sizes on the CPU: ``--config gpu --set device=cpu,hidden=32,...``).
 """
@@ -17,6 +18,9 @@ from benchmarks.configs import Config, Shape
 
 WORD_VARIANTS = ("frozen", "ce", "distill", "tv")
 CODE_VARIANTS = WORD_VARIANTS + ("accept",)
+# The draft chain (``benchmarks.acceptance_chain``): plain = the N layers teacher-forced, ``+tf`` = k steps
+# teacher-forced, ``+chain`` = k steps on their own sampled drafts.
+CHAIN_VARIANTS = ("frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Setting:
     eval_rollouts: int = 64
     temperatures: tuple[float, ...] = (1.0,)
     variants: tuple[str, ...] = WORD_VARIANTS
+    chain: int = 0  # draft steps k the chain variants train and every variant is evaluated with (0: the N layers)
     position_embedding: str = "learned_absolute"
     device: str = "cpu"
     seed: int = 0
@@ -85,6 +90,10 @@ SETTINGS: dict[str, dict[str, Setting]] = {
                                      eval_every=1, eval_rollouts=3),
     },
 }
+# One temperature, the quick RL schedule, more evaluation rollouts (steps 2..3 are tried only after
+# step 1 is accepted): about 4 min per seed on one core.
+SETTINGS["code"]["chain"] = dataclasses.replace(_CODE, mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS, eval_rollouts=32)
+SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 
 def config(setting: Setting) -> Config:
