@@ -34,13 +34,13 @@ from torch import Tensor, nn
 from mtp_hooks.errors import MTPHooksError, bad_argument
 from mtp_hooks.ops.drafts import draft_tokens
 from mtp_hooks.output_head import Head
-from mtp_hooks.proxies import _ObjectProxy
+from mtp_hooks.proxies import ForwardOnlyProxy
 
 DraftInputs = Literal["labels", "argmax", "sample"]
 DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
 
 
-class DraftEmbedding(_ObjectProxy):  # type: ignore[misc]
+class DraftEmbedding(ForwardOnlyProxy):
     """An embedding module called with the chain's draft tokens ``[b, s]`` in place of the input
     ids the MTP layer rolled (the positions it rolled are kept)."""
 
@@ -54,12 +54,6 @@ class DraftEmbedding(_ObjectProxy):  # type: ignore[misc]
         else:
             args = (self._self_tokens, *args[1:])
         return self.__wrapped__(*args, **kwargs)
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        raise TypeError("DraftEmbedding lives for one forward and is not meant to be copied")
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise TypeError("DraftEmbedding lives for one forward and is not meant to be copied")
 
 
 def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
@@ -109,7 +103,8 @@ def check_chain(model: nn.Module, steps: Optional[int], inputs: str) -> None:
     parameters = inspect.signature(type(layers[-1]).forward).parameters
     if "input_ids" not in parameters or "embedding" not in parameters:
         raise bad_argument(
-            "draft_steps", "a megatron-core release whose MTP layers embed their own input ids (0.15+)", "0.14's MTP layer call"
+            "draft_steps", "a megatron-core release whose MTP layers take input_ids and embedding (0.14 - 0.19)",
+            f"{type(layers[-1]).__name__}.forward without them"
         )
     repeated = bool(getattr(model.config, "mtp_use_repeated_layer", False))
     if len(layers) != (1 if repeated else depth) or not getattr(model, "post_process", False):

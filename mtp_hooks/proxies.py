@@ -72,14 +72,18 @@ def is_config_view(value: Any) -> bool:
     return type(value) in _VIEW_CLASSES.values()
 
 
-class DetachedEmbedding(_ObjectProxy):  # type: ignore[misc]
+class ForwardOnlyProxy(_ObjectProxy):  # type: ignore[misc]
+    """A proxy that lives inside one forward: copying or pickling it is refused."""
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(f"{type(self).__name__} lives for one forward and is not meant to be copied")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(f"{type(self).__name__} lives for one forward and is not meant to be copied")
+
+
+class DetachedEmbedding(ForwardOnlyProxy):
     """An embedding module whose call returns a detached tensor."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         return self.__wrapped__(*args, **kwargs).detach()
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        raise TypeError("DetachedEmbedding lives for one forward and is not meant to be copied")
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise TypeError("DetachedEmbedding lives for one forward and is not meant to be copied")

@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor, nn
 
 from mtp_hooks.metrics import DepthSums
 from mtp_hooks.ops.logprobs import TokenLogProbs
+
+if TYPE_CHECKING:
+    from mtp_hooks.output_head import Head
 
 
 @dataclasses.dataclass
@@ -63,7 +66,7 @@ class ForwardState:
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
     mtp_layer_calls: int = 0
     last_layer_call: Optional[tuple[dict[str, Any], Any]] = None  # the chain: the last MTP layer's kwargs and output
-    draft_head: Any = None  # the chain's own drafts: ``chain.draft_head``, read once per forward
+    draft_head: Optional[Head] = None  # the chain's own drafts: ``chain.draft_head``, read once per forward
     attached: bool = False
     loss_path: Optional[str] = None
     in_own_head_call: bool = False

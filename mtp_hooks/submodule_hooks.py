@@ -231,9 +231,14 @@ class SubmoduleHooks:
                 state.draft_head = chain.draft_head(state.model, options.chunk_size)
             temperature = options.draft_temperature if options.draft_inputs == "sample" else None
             kwargs["embedding"] = chain.DraftEmbedding(kwargs["embedding"], chain.step_drafts(state.draft_head, kwargs["hidden_states"], temperature))
-        if not options.detach_encoder:
-            state.mtp_layer_calls += 1
-            return args, kwargs
+        if options.detach_encoder:
+            self._detach_layer_inputs(layer, state, kwargs)
+        state.mtp_layer_calls += 1
+        return args, kwargs
+
+    def _detach_layer_inputs(self, layer: nn.Module, state: ForwardState, kwargs: dict[str, Any]) -> None:
+        """``detach_encoder``: a detached embedding, detached trunk hidden states (every depth's input
+        with ``detach_between_depths``), and a dynamic-CP micro-batch's own CP group for the rolls."""
         if kwargs.get("embedding") is not None:
             kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
         dynamic_cp = getattr(kwargs.get("packed_seq_params"), "cp_group", None)
@@ -246,5 +251,3 @@ class SubmoduleHooks:
             # stays attached). Later depths, with detach_between_depths: the previous depth's output.
             # requires_grad keeps full activation recompute working on a detached input.
             kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
-        state.mtp_layer_calls += 1
-        return args, kwargs
