@@ -96,8 +96,8 @@ def attach(
         draft_steps: train a chain of k draft steps (``mtp_hooks.chain``); ``None``: the model's N
             MTP layers. Step j <= N is layer j, steps past N reuse the last layer, as engines
             that draft k > N tokens do; every step's loss (the chosen ``objective``) targets the
-            token at ``t + j + 1``, the loss weight split evenly over the k steps. mcore 0.15+,
-            with every MTP layer on the output layer's pipeline stage.
+            token at ``t + j + 1``, the loss weight split evenly over the k steps. Needs every
+            MTP layer on the output layer's pipeline stage.
         draft_inputs: what feeds steps 2..k: ``"labels"`` (teacher forcing: the data's token,
             as mcore trains), ``"argmax"`` or ``"sample"`` (the previous step's own draft: its
             argmax, or a sample at ``draft_temperature``, as a speculative decoder feeds it),
