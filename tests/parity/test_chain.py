@@ -2,7 +2,7 @@
 
 The matrix (``parity.AXES["chain"]``) runs k = 2 (own argmax drafts), 3 (teacher-forced) and 4
 (own argmax drafts) on the N = 2 twins against stock's own k-depth loss with the chain applied by
-hooks (``parity.stock_chain``), over every other knob and TP / SP / CP. Here: k = N teacher-forced
+hooks (``stock_references.stock_chain``), over every other knob and TP / SP / CP. Here: k = N teacher-forced
 bit for bit against no option, sampled drafts against a dense Gumbel reference, the sampler's
 distribution, packed sequences, mcore's repeated layer, per-step metrics and the refusals.
 """
@@ -22,7 +22,8 @@ from mtp_hooks import MTPHooksError
 from mtp_hooks.ops.drafts import draft_tokens, gumbel_noise
 from tests.support.mcore_cpu import TinyGPT, grads_of, hooked_train_step, make_batch, masked_mean, needs_packed_mtp
 from tests.support.mcore_cpu import assert_same_grads, stock_mtp_losses
-from tests.support.parity import Case, stock_chain
+from tests.support.parity import Case
+from tests.support.stock_references import stock_chain
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)
@@ -49,7 +50,7 @@ def test_n_teacher_forced_steps_are_todays_path_bit_for_bit(options: dict[str, A
 
 
 def _sampled_reference(temperature: float) -> tuple[torch.nn.Module, list[float]]:
-    """Stock with the chain's definition (``parity.stock_chain``'s argmax reference, the draws
+    """Stock with the chain's definition (``stock_references.stock_chain``'s argmax reference, the draws
     replaced by a dense Gumbel-max sample: the same noise from the same generator state)."""
     model = SHAPE.build()
     calls = [0]
@@ -112,7 +113,7 @@ def test_packed_sequences_keep_every_step_inside_its_sequence(chain: str) -> Non
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
     case = Case(chain=chain)
     stock, hooked = SHAPE.build(), SHAPE.build()
-    with stock_chain(stock, case):
+    with stock_chain(stock, case.chain):
         stock_mtp_losses()
         per_token = stock(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=params)
         masked_mean(per_token, batch.loss_mask).backward()

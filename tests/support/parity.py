@@ -22,7 +22,7 @@ run against an fp32 stock twin holding the same (rounded) weights; for every com
 hooked error against it must stay within stock's own error against it (``within_stock_error``).
 
 Where stock has no reference for a knob (``detach_*``), the stock twin gets the knob's definition
-applied with plain autograd by pre-hooks (``stock_detaches``); ``Case.reference`` says so.
+applied with plain autograd by pre-hooks (``stock_references``); ``Case.reference`` says so.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import itertools
 import traceback
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -41,6 +41,7 @@ import mtp_hooks
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, gather_vocab, stock_chain, stock_detaches
 from tests.support.mcore_cpu import (
     Batch,
     TinyGPT,
@@ -72,21 +73,6 @@ AXES: dict[str, tuple[Any, ...]] = {
 }
 LAYOUTS = ("tp", "sp", "cp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DETACH_OPTIONS = {
-    "none": {},
-    "encoder": {"detach_encoder": True},
-    "head": {"detach_head": True},
-    "both": {"detach_encoder": True, "detach_head": True},
-    "between": {"detach_encoder": True, "detach_between_depths": True},
-}
-# The draft chain (``mtp_hooks.chain``) on the N = 2 twins: (draft_steps, draft_inputs).
-CHAIN: dict[str, tuple[Optional[int], str]] = {
-    "none": (None, "labels"),
-    "k2_argmax": (2, "argmax"),
-    "k3": (3, "labels"),
-    "k4_argmax": (4, "argmax"),
-}
-DEPTH = 2
 # The loss scaler's value per dtype (fp16 needs one; the others run at 1).
 GRAD_SCALE = {"fp32": 1.0, "bf16": 1.0, "fp16": 2.0**12}
 
@@ -330,112 +316,6 @@ def reference_weights(case: Case) -> dict[str, Tensor]:
     return {k: v.to(DTYPES[case.dtype]).float() if v.is_floating_point() else v for k, v in model.state_dict().items() if isinstance(v, Tensor)}
 
 
-@contextlib.contextmanager
-def stock_detaches(model: nn.Module, case: Case) -> Iterator[None]:
-    """The detach flags' definition on stock mcore, with plain autograd (stock has no such options):
-    every MTP layer's embedding output detached, the depth-0 hidden states detached (with
-    ``between`` every depth's input), and with ``detach_head`` the MTP heads' output weight detached
-    (the first N output-layer calls of a forward; the last is the main head)."""
-    flags = DETACH_OPTIONS[case.detach]
-    handles = []
-    if flags.get("detach_encoder"):
-        for index, layer in enumerate(model.mtp.layers):
-
-            def detach_inputs(layer: nn.Module, args: Any, kwargs: dict[str, Any], index: int = index) -> Any:
-                embedding = kwargs["embedding"]
-                kwargs["embedding"] = lambda **call: embedding(**call).detach()
-                if index == 0 or flags.get("detach_between_depths"):
-                    kwargs["hidden_states"] = kwargs["hidden_states"].detach()
-                return args, kwargs
-
-            handles.append(layer.register_forward_pre_hook(detach_inputs, with_kwargs=True))
-    if flags.get("detach_head"):
-        calls = [0]
-        depth = case.steps  # the chain's k heads (``stock_chain``), N = 2 without it
-        handles.append(model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0)))
-
-        def detach_weight(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-            calls[0] += 1
-            if calls[0] <= depth:
-                weight = kwargs.get("weight")
-                kwargs["weight"] = (layer.weight if weight is None else weight).detach()
-            return args, kwargs
-
-        handles.append(model.output_layer.register_forward_pre_hook(detach_weight, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def stock_chain(model: nn.Module, case: Case) -> Iterator[None]:
-    """The draft chain's definition on stock mcore (which trains N depths, teacher-forced): stock's
-    own loss over k depths (``config.mtp_num_layers = k`` from the block's return to the end of the
-    forward; the block runs its N layers), the last layer called again ``k - N`` times when the block returns, each call on the
-    previous call's hidden state, ids and positions with the block's arguments; with ``argmax``
-    every layer call after the first embeds the first argmax of the full-vocabulary logits
-    (gathered, dense) of the hidden state it receives."""
-    steps, inputs = CHAIN[case.chain]
-    if case.chain == "none":
-        yield
-        return
-    assert steps is not None
-    config, layers, handles = model.config, list(model.mtp.layers), []
-    calls = [0]
-    captured: dict[str, Any] = {}
-    handles.append(model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0)))
-
-    def feed(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        calls[0] += 1
-        if inputs == "argmax" and calls[0] > 1:
-            drafts = _dense_drafts(model, kwargs["hidden_states"])
-            embedding = kwargs["embedding"]
-            kwargs["embedding"] = lambda **call: embedding(**{**call, "input_ids": drafts})
-        return args, kwargs
-
-    for layer in layers:
-        handles.append(layer.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
-    handles.append(layers[-1].register_forward_pre_hook(lambda layer, args, kwargs: captured.__setitem__("kwargs", dict(kwargs)), with_kwargs=True, prepend=True))
-    handles.append(layers[-1].register_forward_hook(lambda layer, args, output: captured.__setitem__("output", output)))
-
-    def extend(block: nn.Module, args: Any, output: Tensor) -> Tensor:
-        kwargs, out, extra = captured["kwargs"], captured["output"], []
-        for _ in range(steps - DEPTH):
-            out = layers[-1](**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
-            extra.append(out[0])
-        config.mtp_num_layers = steps  # the post-processing's loss over k depths (0.19's block runs mtp_num_layers layers)
-        return torch.cat([output, *extra])
-
-    def layers_only(*_: Any) -> None:
-        config.mtp_num_layers = DEPTH
-
-    if steps > DEPTH:
-        handles.append(model.mtp.register_forward_pre_hook(layers_only))
-        handles.append(model.mtp.register_forward_hook(extend))
-        handles.append(model.register_forward_hook(layers_only, always_call=True))
-    try:
-        yield
-    finally:
-        layers_only()
-        for handle in handles:
-            handle.remove()
-
-
-def _dense_drafts(model: nn.Module, hidden: Tensor) -> Tensor:
-    """``[b, s]`` first argmax of the output weight's full logits on ``hidden`` ``[s(/tp), b, h]``."""
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-    with torch.no_grad():
-        tied = model.share_embeddings_and_output_weights
-        weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
-        if model.config.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden)
-        logits = _gather_vocab((hidden @ weight.t()).float())
-        return logits.argmax(-1).t().contiguous()
-
-
 # --------------------------------------------------------------------------- one run
 
 
@@ -486,17 +366,10 @@ def _logprobs_loss(case: Case, logprobs: Tensor, entropy: Optional[Tensor], mask
     return loss if entropy is None else loss - ENTROPY_WEIGHT * _reduce(case, entropy, mask)
 
 
-def _gather_vocab(logits: Tensor) -> Tensor:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    return gather_from_tensor_model_parallel_region(logits) if parallel_state.get_tensor_model_parallel_world_size() > 1 else logits
-
-
 def stock_logprobs(case: Case, logits: Tensor, labels: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """The reference log-probs from stock's ``[b, s, V/tp]`` logits: full-vocabulary ``log_softmax``
     of logits / temperature at the labels, and (if asked) the entropy."""
-    log_p = (_gather_vocab(logits).float() / case.temperature).log_softmax(-1)
+    log_p = (gather_vocab(logits).float() / case.temperature).log_softmax(-1)
     entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in case.output else None
     return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -521,7 +394,7 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
     tracker read right after each forward; the MTP scale in forward (0.5) differs from backward's."""
     run, losses = Run(), []
     MTPLossAutoScaler.set_loss_scale(torch.tensor(0.5))
-    with stock_chain(twin.inner, case), stock_detaches(twin.inner, case):
+    with stock_chain(twin.inner, case.chain), stock_detaches(twin.inner, case.detach, case.steps):
         for batch, advantages in batches:
 
             def forward(*model_args: Any, batch: Batch = batch) -> tuple[Tensor, Tensor]:

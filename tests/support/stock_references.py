@@ -1,0 +1,146 @@
+"""Stock mcore given the definition of a knob it lacks, with plain autograd and its own modules.
+
+Test-only support for the parity matrix (``parity``): where stock has no reference for an option
+(the detach flags, the draft chain), hooks on the stock twin apply the option's definition, so
+the hooked twin is compared with stock's own computation of it. Each reference is checked to
+differ from plain stock (``tests/parity/test_parity_matrix.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+DETACH_OPTIONS = {
+    "none": {},
+    "encoder": {"detach_encoder": True},
+    "head": {"detach_head": True},
+    "both": {"detach_encoder": True, "detach_head": True},
+    "between": {"detach_encoder": True, "detach_between_depths": True},
+}
+
+# The draft chain (``mtp_hooks.chain``) on the N = 2 twins: (draft_steps, draft_inputs).
+CHAIN: dict[str, tuple[Optional[int], str]] = {
+    "none": (None, "labels"),
+    "k2_argmax": (2, "argmax"),
+    "k3": (3, "labels"),
+    "k4_argmax": (4, "argmax"),
+}
+DEPTH = 2
+
+
+def gather_vocab(logits: Tensor) -> Tensor:
+    """``[..., V/tp]`` logits gathered over the tensor-parallel group (as they are on one rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits) if parallel_state.get_tensor_model_parallel_world_size() > 1 else logits
+
+
+@contextlib.contextmanager
+def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
+    """The detach flags' definition on stock mcore, with plain autograd (stock has no such options):
+    every MTP layer's embedding output detached, the depth-0 hidden states detached (with
+    ``between`` every depth's input), and with ``detach_head`` the MTP heads' output weight detached
+    (the first N output-layer calls of a forward; the last is the main head)."""
+    flags = DETACH_OPTIONS[detach]
+    handles = []
+    if flags.get("detach_encoder"):
+        for index, layer in enumerate(model.mtp.layers):
+
+            def detach_inputs(layer: nn.Module, args: Any, kwargs: dict[str, Any], index: int = index) -> Any:
+                embedding = kwargs["embedding"]
+                kwargs["embedding"] = lambda **call: embedding(**call).detach()
+                if index == 0 or flags.get("detach_between_depths"):
+                    kwargs["hidden_states"] = kwargs["hidden_states"].detach()
+                return args, kwargs
+
+            handles.append(layer.register_forward_pre_hook(detach_inputs, with_kwargs=True))
+    if flags.get("detach_head"):
+        calls = [0]
+        depth = steps  # the MTP heads: N = 2, or the chain's k (``stock_chain``)
+        handles.append(model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0)))
+
+        def detach_weight(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            calls[0] += 1
+            if calls[0] <= depth:
+                weight = kwargs.get("weight")
+                kwargs["weight"] = (layer.weight if weight is None else weight).detach()
+            return args, kwargs
+
+        handles.append(model.output_layer.register_forward_pre_hook(detach_weight, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
+    """The draft chain's definition on stock mcore (which trains N depths, teacher-forced): stock's
+    own loss over k depths (``config.mtp_num_layers = k`` from the block's return to the end of the
+    forward; the block runs its N layers), the last layer called again ``k - N`` times when the block returns, each call on the
+    previous call's hidden state, ids and positions with the block's arguments; with ``argmax``
+    every layer call after the first embeds the first argmax of the full-vocabulary logits
+    (gathered, dense) of the hidden state it receives."""
+    steps, inputs = CHAIN[chain]
+    if chain == "none":
+        yield
+        return
+    assert steps is not None
+    config, layers, handles = model.config, list(model.mtp.layers), []
+    calls = [0]
+    captured: dict[str, Any] = {}
+    handles.append(model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0)))
+
+    def feed(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        calls[0] += 1
+        if inputs == "argmax" and calls[0] > 1:
+            drafts = _dense_drafts(model, kwargs["hidden_states"])
+            embedding = kwargs["embedding"]
+            kwargs["embedding"] = lambda **call: embedding(**{**call, "input_ids": drafts})
+        return args, kwargs
+
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
+    handles.append(layers[-1].register_forward_pre_hook(lambda layer, args, kwargs: captured.__setitem__("kwargs", dict(kwargs)), with_kwargs=True, prepend=True))
+    handles.append(layers[-1].register_forward_hook(lambda layer, args, output: captured.__setitem__("output", output)))
+
+    def extend(block: nn.Module, args: Any, output: Tensor) -> Tensor:
+        kwargs, out, extra = captured["kwargs"], captured["output"], []
+        for _ in range(steps - DEPTH):
+            out = layers[-1](**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
+            extra.append(out[0])
+        config.mtp_num_layers = steps  # the post-processing's loss over k depths (0.19's block runs mtp_num_layers layers)
+        return torch.cat([output, *extra])
+
+    def layers_only(*_: Any) -> None:
+        config.mtp_num_layers = DEPTH
+
+    if steps > DEPTH:
+        handles.append(model.mtp.register_forward_pre_hook(layers_only))
+        handles.append(model.mtp.register_forward_hook(extend))
+        handles.append(model.register_forward_hook(layers_only, always_call=True))
+    try:
+        yield
+    finally:
+        layers_only()
+        for handle in handles:
+            handle.remove()
+
+
+def _dense_drafts(model: nn.Module, hidden: Tensor) -> Tensor:
+    """``[b, s]`` first argmax of the output weight's full logits on ``hidden`` ``[s(/tp), b, h]``."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    with torch.no_grad():
+        tied = model.share_embeddings_and_output_weights
+        weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+        if model.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden)
+        logits = gather_vocab((hidden @ weight.t()).float())
+        return logits.argmax(-1).t().contiguous()
