@@ -77,9 +77,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "code": {
         "quick": _CODE,
-        # Not yet run to the end. Estimated at first at an hour on 2 free cores; measured (2026-12-01): pretraining
-        # 500 steps of 16 x 96 at V = 8,192 took 79 min on one core while other jobs shared the machine (9.5 s a
-        # step), so these sizes need several hours on this 2-core machine (or --config gpu).
+        # About an hour on 2 free cores, estimated from the quick mode's CPU time; measured (2026-12-01): the
+        # first seed's pretraining at 1.6 s a step (500 steps of 16 x 96 in 13 min, one core, tests running).
         "full": dataclasses.replace(_CODE, vocab=8192, seq=48, prompt=16, sft_seq=96, sft_min_steps=300, sft_max_steps=800,
                                     sft_window=100, files=None, rl_steps=24, prompts=4, group=4, eval_every=8, eval_rollouts=32),
         "gpu": dataclasses.replace(_CODE, vocab=32768, hidden=512, layers=8, heads=8, seq=160, prompt=32, sft_seq=512, sft_batch=32,
