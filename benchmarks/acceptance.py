@@ -31,12 +31,15 @@ its KL to the pretrained policy are recorded per step.
 The experiment is repeated for each of ``--seeds`` (default 0, 1, 2); tables give the mean and
 min–max over seeds (``benchmarks/acceptance_report.py``). Pretrained models of the code task are
 cached per seed under ``bench-out/acceptance-cache/`` (with the tokenizer and token streams), so
-reruns skip pretraining. Output: ``bench-out/acceptance/`` (``acceptance.json``, ``acceptance.md``, plots).
+reruns skip pretraining. ``--seeds 0 --out A``, ``--seeds 1 --out B``, ... run as separate processes
+(side by side on separate cores), then ``--merge A B ... --out C`` joins them into one record.
+Output: ``bench-out/acceptance/`` (``acceptance.json``, ``acceptance.md``, plots).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import contextlib
 import dataclasses
 import os
@@ -296,6 +299,21 @@ def run_task(setting: Setting, seeds: tuple[int, ...], log: Any = print, cache: 
     return out
 
 
+def merge_seeds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from runs of the same task and setting over separate seeds (``--merge``: seeds run
+    as separate processes, e.g. in parallel on separate cores): the runs joined, the summary anew."""
+    def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        runs = sorted((run for part in parts for run in part["runs"]), key=lambda run: run["setting"]["seed"])
+        return {"seeds": [run["setting"]["seed"] for run in runs], "runs": runs, "summary": acceptance_report.summarize(runs)}
+
+    if "temperatures" not in records[0]:
+        out = joined(records)
+    else:
+        out = {"task": records[0]["task"], "temperatures": {t: joined([r["temperatures"][t] for r in records]) for t in records[0]["temperatures"]}}
+    out["wall_seconds"] = max(record["wall_seconds"] for record in records)  # the processes ran side by side
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="code", help="code (default): the standard library's source; words: the synthetic language")
@@ -306,7 +324,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cache", type=Path, default=CACHE, help="tokenizer, token streams and pretrained models (code task)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (small matmuls: 1 is fastest on a shared CPU)")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default: 0,1,2; at least 1)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="join the acceptance.json of runs over separate seeds into --out, run nothing")
     args = parser.parse_args(argv)
+    if args.merge:
+        result = merge_seeds([json.loads((directory / "acceptance.json").read_text()) for directory in args.merge])
+        acceptance_report.write_outputs(result, args.out)
+        print(acceptance_report.markdown(result))
+        return 0
     name = args.setting or ("quick" if args.quick else "full")
     if name not in SETTINGS[args.task]:
         parser.error(f"--config {name!r}: the {args.task} task has {', '.join(sorted(SETTINGS[args.task]))}")

@@ -219,3 +219,17 @@ def test_gpu_config_runs_one_step_on_cpu_at_tiny_sizes(one_intra_op_thread: None
 def test_set_rejects_unknown_fields() -> None:
     with pytest.raises(SystemExit):
         acceptance.main(["--task", "code", "--set", "hiden=3"])
+
+
+@needs_tokenizers
+def test_seeds_run_apart_merge_into_the_record_of_one_run(one_intra_op_thread: None, code_result: dict, code_cache: Path) -> None:
+    """``--merge``: seeds run as separate processes join into the runs and summary of a run over both."""
+    other = acceptance.run_task(CODE, (1,), log=lambda line: None, cache=code_cache)
+    both = acceptance.run_task(CODE, (0, 1), log=lambda line: None, cache=code_cache)
+    merged = acceptance.merge_seeds([{**other, "wall_seconds": 2.0}, {**code_result, "wall_seconds": 1.0}])
+    assert merged["wall_seconds"] == 2.0
+    for temperature, record in both["temperatures"].items():
+        joined = merged["temperatures"][temperature]
+        assert joined["seeds"] == [0, 1]
+        assert joined["summary"]["variants"] == record["summary"]["variants"]
+        assert joined["summary"]["verdict"] == record["summary"]["verdict"]
