@@ -96,7 +96,7 @@ def extra_steps(layer: nn.Module, kwargs: dict[str, Any], output: Any, count: in
 
 def check_chain(model: nn.Module, steps: Optional[int], inputs: str) -> None:
     """Refuse a chain the model cannot run, once at ``attach``."""
-    if steps is None and inputs == "labels" or not getattr(model, "mtp_process", False):
+    if (steps is None and inputs == "labels") or not getattr(model, "mtp_process", False):
         return
     depth = model.config.mtp_num_layers
     layers = list(model.mtp.layers)
