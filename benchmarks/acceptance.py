@@ -299,21 +299,6 @@ def run_task(setting: Setting, seeds: tuple[int, ...], log: Any = print, cache: 
     return out
 
 
-def merge_seeds(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record from runs of the same task and setting over separate seeds (``--merge``: seeds run
-    as separate processes, e.g. in parallel on separate cores): the runs joined, the summary anew."""
-    def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
-        runs = sorted((run for part in parts for run in part["runs"]), key=lambda run: run["setting"]["seed"])
-        return {"seeds": [run["setting"]["seed"] for run in runs], "runs": runs, "summary": acceptance_report.summarize(runs)}
-
-    if "temperatures" not in records[0]:
-        out = joined(records)
-    else:
-        out = {"task": records[0]["task"], "temperatures": {t: joined([r["temperatures"][t] for r in records]) for t in records[0]["temperatures"]}}
-    out["wall_seconds"] = max(record["wall_seconds"] for record in records)  # the processes ran side by side
-    return out
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="code", help="code (default): the standard library's source; words: the synthetic language")
@@ -327,7 +312,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="join the acceptance.json of runs over separate seeds into --out, run nothing")
     args = parser.parse_args(argv)
     if args.merge:
-        result = merge_seeds([json.loads((directory / "acceptance.json").read_text()) for directory in args.merge])
+        result = acceptance_report.merge_seeds([json.loads((directory / "acceptance.json").read_text()) for directory in args.merge])
         acceptance_report.write_outputs(result, args.out)
         print(acceptance_report.markdown(result))
         return 0

@@ -60,6 +60,21 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def merge_seeds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from runs of the same task and setting over separate seeds (``--merge``: seeds run
+    as separate processes, e.g. in parallel on separate cores): the runs joined, the summary anew."""
+    def joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        runs = sorted((run for part in parts for run in part["runs"]), key=lambda run: run["setting"]["seed"])
+        return {"seeds": [run["setting"]["seed"] for run in runs], "runs": runs, "summary": summarize(runs)}
+
+    if "temperatures" not in records[0]:
+        out = joined(records)
+    else:
+        out = {"task": records[0]["task"], "temperatures": {t: joined([r["temperatures"][t] for r in records]) for t in records[0]["temperatures"]}}
+    out["wall_seconds"] = max(record["wall_seconds"] for record in records)  # the processes ran side by side
+    return out
+
+
 def _ms(d: dict[str, float]) -> str:
     """mean (min–max) over seeds."""
     return f"{_fmt(d['mean'])} ({_fmt(d['min'])}–{_fmt(d['max'])})"

@@ -226,7 +226,7 @@ def test_seeds_run_apart_merge_into_the_record_of_one_run(one_intra_op_thread: N
     """``--merge``: seeds run as separate processes join into the runs and summary of a run over both."""
     other = acceptance.run_task(CODE, (1,), log=lambda line: None, cache=code_cache)
     both = acceptance.run_task(CODE, (0, 1), log=lambda line: None, cache=code_cache)
-    merged = acceptance.merge_seeds([{**other, "wall_seconds": 2.0}, {**code_result, "wall_seconds": 1.0}])
+    merged = acceptance.acceptance_report.merge_seeds([{**other, "wall_seconds": 2.0}, {**code_result, "wall_seconds": 1.0}])
     assert merged["wall_seconds"] == 2.0
     for temperature, record in both["temperatures"].items():
         joined = merged["temperatures"][temperature]
