@@ -77,8 +77,8 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     },
     "code": {
         "quick": _CODE,
-        # About an hour on 2 free cores, estimated from the quick mode's CPU time; measured (2026-12-01): the
-        # first seed's pretraining at 1.6 s a step (500 steps of 16 x 96 in 13 min, one core, tests running).
+        # Measured (2026-12-01): 101 min wall per seed (pretraining and both temperatures) with the three seeds as
+        # separate processes side by side on 2 cores (--seeds N, then --merge).
         "full": dataclasses.replace(_CODE, vocab=8192, seq=48, prompt=16, sft_seq=96, sft_min_steps=300, sft_max_steps=800,
                                     sft_window=100, files=None, rl_steps=24, prompts=4, group=4, eval_every=8, eval_rollouts=32),
         "gpu": dataclasses.replace(_CODE, vocab=32768, hidden=512, layers=8, heads=8, seq=160, prompt=32, sft_seq=512, sft_batch=32,
