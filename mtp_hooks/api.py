@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import nn
 
-from mtp_hooks.chain import DraftInputs
+from mtp_hooks.features.chain import DraftInputs
 from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks

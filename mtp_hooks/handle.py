@@ -13,10 +13,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mtp_hooks.errors import bad_state
-from mtp_hooks.forward import ForwardHooks
+from mtp_hooks.hooks import ForwardHooks
 from mtp_hooks.models import _STATE_KEY
 from mtp_hooks.options import Options
-from mtp_hooks.state import MicroBatch
+from mtp_hooks.runtime.forward import MicroBatch
 
 class MicroBatchTargets:
     """What ``MTPHooks.micro_batch`` returns: a context manager whose block owns the targets.

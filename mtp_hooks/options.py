@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
-from mtp_hooks.chain import DRAFT_INPUTS, DraftInputs
+from mtp_hooks.features.chain import DRAFT_INPUTS, DraftInputs
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
 from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature

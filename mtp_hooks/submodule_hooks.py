@@ -25,13 +25,15 @@ from torch import Tensor, nn
 
 import torch
 
-from mtp_hooks import _mcore, chain, deferral, heads
-from mtp_hooks.interrupts import forwards_on_stack
+from mtp_hooks import _mcore
+from mtp_hooks.features import chain, deferral
+from mtp_hooks.features import mtp_loss as heads
+from mtp_hooks.runtime.interrupts import forwards_on_stack
 from mtp_hooks.ops.logprobs import with_zero_gradient_to
 from mtp_hooks.options import Options
-from mtp_hooks.output_head import Head
-from mtp_hooks.proxies import DetachedEmbedding, config_view, is_config_view
-from mtp_hooks.state import ForwardState, Originals
+from mtp_hooks.head import Head
+from mtp_hooks.runtime.proxies import DetachedEmbedding, config_view, is_config_view
+from mtp_hooks.runtime.forward import ForwardState, Originals
 from mtp_hooks.targets import packed_layout
 
 HookResult = Optional[tuple[tuple[Any, ...], dict[str, Any]]]

@@ -156,6 +156,6 @@ def test_recompute_inside_another_open_micro_batch_keeps_its_own_targets(flavour
 def test_the_installed_torch_checkpoint_is_recognised() -> None:
     """The binding reads torch's own checkpoint frames (``mtp_hooks/recompute.py``): a torch whose
     checkpoint is laid out otherwise fails here, before any recompute could go without targets."""
-    from mtp_hooks import recompute
+    from mtp_hooks.runtime import recompute
 
     assert recompute.SUPPORTED

@@ -24,18 +24,18 @@ import torch
 from torch import nn
 
 from mtp_hooks import _mcore
-from mtp_hooks.arguments import CallArguments
-from mtp_hooks.chain import check_chain
+from mtp_hooks.runtime.arguments import CallArguments
+from mtp_hooks.features.chain import check_chain
 from mtp_hooks.checks import check_against_inputs, check_label_range, check_loss_scale
 from mtp_hooks.errors import bad_argument, bad_state, other_thread
-from mtp_hooks.interrupts import forwards_on_stack
+from mtp_hooks.runtime.interrupts import forwards_on_stack
 from mtp_hooks.ops.main_grad import mark_shared_copy, unmark_shared_copy
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
-from mtp_hooks.proxies import config_view
-from mtp_hooks.forward_targets import ForwardTargets
-from mtp_hooks.recompute import BoundTargets
-from mtp_hooks.state import ForwardState, MicroBatch, Originals
+from mtp_hooks.runtime.proxies import config_view
+from mtp_hooks.runtime.micro_batch import ForwardTargets
+from mtp_hooks.runtime.recompute import BoundTargets
+from mtp_hooks.runtime.forward import ForwardState, MicroBatch, Originals
 from mtp_hooks.submodule_hooks import SubmoduleHooks
 
 

@@ -25,7 +25,7 @@ from mtp_hooks.ops.lean_loss import lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
 from mtp_hooks.ops.weight_grad import choose_weight_grad
 from mtp_hooks.options import Options
-from mtp_hooks.output_head import Head
+from mtp_hooks.head import Head
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
 

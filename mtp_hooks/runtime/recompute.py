@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.utils.checkpoint as _checkpoint
 
-from mtp_hooks.state import MicroBatch
+from mtp_hooks.runtime.forward import MicroBatch
 
 
 def _code(function: Any) -> Optional[CodeType]:

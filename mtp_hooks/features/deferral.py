@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from mtp_hooks.proxies import config_view
+from mtp_hooks.runtime.proxies import config_view
 
 
 def defers(layer: nn.Module) -> bool:

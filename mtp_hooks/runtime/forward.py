@@ -23,7 +23,7 @@ from mtp_hooks.metrics import DepthSums
 from mtp_hooks.ops.logprobs import TokenLogProbs
 
 if TYPE_CHECKING:
-    from mtp_hooks.output_head import Head
+    from mtp_hooks.head import Head
 
 
 @dataclasses.dataclass

@@ -33,8 +33,8 @@ from torch import Tensor, nn
 
 from mtp_hooks.errors import MTPHooksError, bad_argument
 from mtp_hooks.ops.drafts import draft_tokens
-from mtp_hooks.output_head import Head
-from mtp_hooks.proxies import ForwardOnlyProxy
+from mtp_hooks.head import Head
+from mtp_hooks.runtime.proxies import ForwardOnlyProxy
 
 DraftInputs = Literal["labels", "argmax", "sample"]
 DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)

@@ -19,8 +19,8 @@ from torch import Tensor
 from mtp_hooks.checks import check_against_inputs, check_loss_scale, check_targets
 from mtp_hooks.errors import bad_argument, bad_state, not_entered, other_thread, unused_targets
 from mtp_hooks.options import Options
-from mtp_hooks.recompute import Bound, BoundTargets, Regions, enclosing_regions
-from mtp_hooks.state import MicroBatch
+from mtp_hooks.runtime.recompute import Bound, BoundTargets, Regions, enclosing_regions
+from mtp_hooks.runtime.forward import MicroBatch
 
 
 class ForwardTargets:

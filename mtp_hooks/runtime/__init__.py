@@ -1,0 +1,2 @@
+"""The forward's shared mechanics: per-forward state and the window, micro-batch targets and their
+checkpoint recomputes, call arguments, interrupts, proxies. Names no option (``features/`` do)."""
