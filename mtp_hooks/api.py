@@ -1,8 +1,8 @@
 """The public entry points: ``attach`` installs the hooks on a language model and returns its
 ``MTPHooks`` handle (``handle``), ``attached`` does it for a ``with`` block, ``hooks_of`` finds it again.
 
-No class or instance method is replaced: the behaviour lives in torch hooks (``forward``,
-``submodule_hooks``) and the proxies of ``proxies`` that exist only inside one forward. The handle
+No class or instance method is replaced: the behaviour lives in torch hooks (``hooks``, which calls
+one module of ``features`` per option) and proxies that exist only inside one forward. The handle
 is stored under ``_mtp_hooks`` in the language model's ``__dict__`` and found again by ``hooks_of``.
 
 Parallel layouts follow mcore (its own groups and rolls; nothing to configure): under TP the
@@ -16,16 +16,17 @@ read on the chunk with the output layer, which must also hold the MTP layers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import nn
 
-from mtp_hooks.features.chain import DraftInputs
 from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.features.detach import check_wrappers
 from mtp_hooks.handle import MTPHooks
-from mtp_hooks.models import _STATE_KEY, check_model, check_wrappers, find_language_model
-from mtp_hooks.options import LossImpl, Objective, Options, Output
+from mtp_hooks.models import STATE_KEY, check_model, find_language_model
+from mtp_hooks.options import DraftInputs, LossImpl, Objective, Options, Output
 
 
 def attach(
@@ -125,7 +126,7 @@ def attach(
 
     Raises:
         MTPHooksError: for a model without MTP layers, a second attach, bad arguments (also
-            for the wrappers given: ``models.check_wrappers``), or a
+            for the wrappers given: ``features.detach.check_wrappers``), or a
             megatron-core release that calls the output layer, MTP block or MTP layers with other
             keyword names than the hooks rely on (``_mcore.check_call_conventions``).
 
@@ -145,33 +146,16 @@ def attach(
     Separate models may run in separate threads. ``copy.deepcopy`` of the model (with a memo
     sharing its process groups, as a stock mcore model needs) gives a copy with its own hooks.
     """
+    arguments = locals()  # the options, by the names ``Options`` has (a test holds the two equal)
     language_model = find_language_model(model)
     check_model(language_model)
-    options = Options(
-        detach_encoder=detach_encoder,
-        detach_head=detach_head,
-        detach_between_depths=detach_between_depths,
-        loss_scale=loss_scale,
-        loss_impl=loss_impl,
-        chunk_size=chunk_size,
-        objective=objective,
-        agreement_metrics=agreement_metrics,
-        draft_temperature=draft_temperature,
-        draft_steps=draft_steps,
-        draft_inputs=draft_inputs,
-        output=output,
-        entropy=entropy,
-        temperature=temperature,
-        validate=validate,
-        per_token_rescale=per_token_rescale,
-        call_loss_scale=call_loss_scale,
-    )
+    options = Options(**{field.name: arguments[field.name] for field in dataclasses.fields(Options)})
     options.check_config(language_model.config)
     check_wrappers(model, options.detach_encoder)
     if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:
         raise MTPHooksError("model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)")
     hooks = MTPHooks(language_model, options)
-    language_model.__dict__[_STATE_KEY] = hooks
+    language_model.__dict__[STATE_KEY] = hooks
     return hooks
 
 
@@ -192,4 +176,4 @@ def hooks_of(model: nn.Module) -> Optional[MTPHooks]:
         language_model = find_language_model(model)
     except MTPHooksError:
         return None
-    return language_model.__dict__.get(_STATE_KEY)
+    return language_model.__dict__.get(STATE_KEY)

@@ -1,7 +1,7 @@
 """The handle of the hooks on one language model: ``MTPHooks`` (what ``attach`` returns) and the
 ``micro_batch`` block it opens (``MicroBatchTargets``).
 
-All per-model state is one ``ForwardHooks`` object (``forward``) held by the handle; ``remove``
+All per-model state is one ``ForwardHooks`` object (``hooks``) held by the handle; ``remove``
 removes every hook it installed and restores stock mcore.
 """
 
@@ -14,9 +14,10 @@ from torch.utils.hooks import RemovableHandle
 
 from mtp_hooks.errors import bad_state
 from mtp_hooks.hooks import ForwardHooks
-from mtp_hooks.models import _STATE_KEY
+from mtp_hooks.models import STATE_KEY
 from mtp_hooks.options import Options
-from mtp_hooks.runtime.forward import MicroBatch
+from mtp_hooks.runtime.micro_batch import MicroBatch, MicroBatches
+
 
 class MicroBatchTargets:
     """What ``MTPHooks.micro_batch`` returns: a context manager whose block owns the targets.
@@ -27,8 +28,9 @@ class MicroBatchTargets:
     the next forward or ``micro_batch`` raises ``MTPHooksStateError``.
     """
 
-    def __init__(self, hooks: "MTPHooks", targets: MicroBatch) -> None:
+    def __init__(self, hooks: "MTPHooks", micro_batches: MicroBatches, targets: MicroBatch) -> None:
         self._hooks = hooks
+        self._micro_batches = micro_batches
         self._targets = targets
 
     def __enter__(self) -> "MTPHooks":
@@ -36,7 +38,7 @@ class MicroBatchTargets:
         return self._hooks
 
     def __exit__(self, *exc: Any) -> None:
-        self._hooks._hooks.disarm(self._targets, completed=exc[0] is None)
+        self._micro_batches.disarm(self._targets, completed=exc[0] is None)
 
 
 class MTPHooks:
@@ -62,7 +64,7 @@ class MTPHooks:
     @property
     def model(self) -> nn.Module:
         """The language model the hooks sit on."""
-        return self._live("model").model
+        return self._live("model").binding.model
 
     @property
     def depth(self) -> int:
@@ -84,22 +86,6 @@ class MTPHooks:
         """
         return self._hooks.loss_path
 
-    @property
-    def detach_encoder(self) -> bool:
-        return self.options.detach_encoder
-
-    @property
-    def detach_head(self) -> bool:
-        return self.options.detach_head
-
-    @property
-    def loss_impl(self) -> str:
-        return self.options.loss_impl
-
-    @property
-    def chunk_size(self) -> Optional[int]:
-        return self.options.chunk_size
-
     def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None) -> MicroBatchTargets:
         """``with hooks.micro_batch(labels, loss_mask): model(...)``: the training forward in the
         block trains MTP on these ``[b, s]`` targets.
@@ -120,7 +106,8 @@ class MTPHooks:
         One thread at a time: another thread's forward while one is in flight raises
         ``MTPHooksStateError``; it never sees this thread's targets.
         """
-        return MicroBatchTargets(self, self._live("micro_batch").arm(labels, loss_mask, loss_scale))
+        hooks = self._live("micro_batch")
+        return MicroBatchTargets(self, hooks.binding.micro_batches, hooks.arm(labels, loss_mask, loss_scale))
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
@@ -136,7 +123,7 @@ class MTPHooks:
         only, and stays as stock fills it. Local to this rank (identical across TP ranks). Empty
         if nothing was trained. Reading syncs with the device once."""
         hooks = self._live("metrics")
-        hooks.recover_abandoned()
+        hooks.binding.flight.recover_abandoned()
         return hooks.metrics.read(reset)
 
     def remove(self) -> None:
@@ -146,14 +133,14 @@ class MTPHooks:
         """
         if self._removed:
             return
-        self._hooks.close()
+        self._hooks.binding.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._removed = True
-        model = self._hooks.alive_model
-        if model is not None and model.__dict__.get(_STATE_KEY) is self:
-            del model.__dict__[_STATE_KEY]
+        model = self._hooks.binding.alive_model
+        if model is not None and model.__dict__.get(STATE_KEY) is self:
+            del model.__dict__[STATE_KEY]
 
     def __enter__(self) -> "MTPHooks":
         return self

@@ -1,41 +1,59 @@
-"""The output layer as one forward's heads use it: ``Head``, asked once per forward.
+"""The output layer as one forward's heads use it: ``Head``, built on the call it serves.
 
-The MTP heads and the log-prob output multiply by the output layer's weight themselves; what they
-need to know about the layer (its TP group, sequence parallelism, mcore's ``main_grad`` protocol,
-whether the lean paths reproduce its call) is read once, in the output layer's pre-hook
-(``submodule_hooks``), and passed down with the micro-batch.
+The MTP heads, the log-prob output and the chain's drafts multiply by the output layer's weight
+themselves; what they need to know about the layer (its TP group, sequence parallelism, mcore's
+``main_grad`` protocol, whether the lean paths reproduce its call) is read on that call, in the
+output layer's pre-hook, and passed down.
+
+Whether the lean paths reproduce a call: they compute ``hidden @ weight.T``, which is what mcore's
+own ``tensor_parallel.ColumnParallelLinear`` computes (input copied into the TP region or
+SP-gathered, no bias), the output layer of every ``GPTModel`` and ``HybridModel`` of megatron-core
+0.14 - 0.19, also in a Transformer Engine build; the one exception, 0.18+'s
+``TELMHeadColumnParallelLinear`` under an MXFP8 output projection, is TE's own GEMM. Anything else
+a call may run (a subclass's own ``forward`` or ``_forward_impl`` such as logit soft-capping, an
+instance attribute shadowing either, hooks on the layer or torch's global module hooks) changes the
+logits, and only a real call reproduces it: such a head takes the dense path (the MTP losses) or is
+refused (``Head.require_reproducible``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
 from mtp_hooks import _mcore
+from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.ops.chunking import auto_chunk_size
-from mtp_hooks.ops.main_grad import follows_main_grad_protocol
 from mtp_hooks.ops.vocab_parallel import group_size
-from mtp_hooks.stock_head import reproducible_head
 
 # Calls the output layer on (hidden, weight) without the hooks' own pre-hook acting on the call.
 HeadCall = Callable[[Tensor, Tensor], Tensor]
 
+# What a call of the output layer resolves to, all of which must be mcore's own.
+_REPRODUCED = ("__call__", "_call_impl", "forward", "_forward_impl")
+
+# Hooks that never change a call: mtp_hooks' own, and torch's module trackers (FlopCounterMode,
+# the memory and distributed trackers), which only record which module is running.
+_TRANSPARENT_HOOK_MODULES = ("mtp_hooks.", "torch.utils.module_tracker", "torch.distributed._tools.")
+
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-    """The output layer of one forward, with the weight its heads multiply by.
+    """The output layer of one call, with the weight its heads multiply by.
 
     ``chunk_size``: the ``chunk_size`` option (``None``: ``ops.chunking.auto_chunk_size`` per call,
-    ``chunk``); ``reproducible``: ``stock_head.reproducible_head``; ``call``: the layer's own call,
-    for the dense path.
+    ``chunk``); ``reproducible``: ``reproducible_head``; ``call``: the layer's own call, for the
+    dense path.
     """
 
     layer: nn.Module
@@ -43,7 +61,7 @@ class Head:
     tp_group: Optional[torch.distributed.ProcessGroup]
     sequence_parallel: bool
     chunk_size: Optional[int]
-    main_grad_protocol: bool  # ``ops.main_grad.follows_main_grad_protocol`` for ``weight``
+    main_grad_protocol: bool  # ``follows_main_grad_protocol`` for ``weight``
     reproducible: bool
     call: Optional[HeadCall] = None
 
@@ -75,3 +93,88 @@ class Head:
         if group_size(self.tp_group) > 1:
             return copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
         return hidden
+
+    def require_reproducible(self, option: str, what: str, instead: str) -> None:
+        """Refuse ``option`` (which computes ``what`` without calling the output layer) on a head
+        whose call does more than the lean paths reproduce; ``instead`` says what to use."""
+        if self.reproducible:
+            return
+        raise MTPHooksError(
+            f"{option}: {what} without calling the output layer, which would bypass what its calls do (hooks registered "
+            "on it or torch's global module hooks, a forward or _forward_impl of its own class)\n"
+            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
+            "its own, no hooks other than mtp_hooks' own)\n"
+            f"  received: a {type(self.layer).__name__} whose call does more; {instead}"
+        )
+
+
+def reproducible_head(layer: nn.Module) -> bool:
+    """Whether calling ``layer`` computes exactly what mcore's own ``ColumnParallelLinear`` does.
+
+    True when ``layer`` is a ``ColumnParallelLinear`` whose class and instance resolve
+    ``__call__``, ``forward`` and ``_forward_impl`` to mcore's own (a subclass that only adds
+    attributes qualifies; one overriding either method does not) and no hooks other than
+    mtp_hooks' own and torch's module trackers act on its calls (``foreign_hooks``).
+    """
+    if not isinstance(layer, ColumnParallelLinear):
+        return False
+    for name in _REPRODUCED:
+        if name in vars(layer) or getattr(type(layer), name) is not getattr(ColumnParallelLinear, name):
+            return False
+    return not foreign_hooks(layer)
+
+
+def foreign_hooks(layer: nn.Module) -> bool:
+    """Whether a call of ``layer`` runs hooks that may change it: the layer's forward (pre-)hooks
+    and backward (pre-)hooks and torch's global module hooks, other than mtp_hooks' own and
+    torch's module trackers (``_TRANSPARENT_HOOK_MODULES``)."""
+    registries = (
+        layer._forward_pre_hooks,
+        layer._forward_hooks,
+        layer._backward_pre_hooks,
+        layer._backward_hooks,
+        _module._global_forward_pre_hooks,
+        _module._global_forward_hooks,
+        _module._global_backward_pre_hooks,
+        _module._global_backward_hooks,
+    )
+    return any(not _is_own_hook(hook) for registry in registries for hook in registry.values())
+
+
+def _is_own_hook(hook: Any) -> bool:
+    function = getattr(hook, "__func__", hook)
+    return str(getattr(function, "__module__", "")).startswith(_TRANSPARENT_HOOK_MODULES)
+
+
+def follows_main_grad_protocol(layer: nn.Module, weight: Tensor) -> bool:
+    """Whether mcore's output layer would accumulate ``weight``'s gradient into ``weight.main_grad``
+    (``ops.main_grad``). mcore's own test: ``gradient_accumulation_fusion and hasattr(weight,
+    "main_grad")``. A detached weight (a frozen head) is a new tensor without ``main_grad``."""
+    return bool(getattr(layer, "gradient_accumulation_fusion", False)) and weight.requires_grad and hasattr(weight, "main_grad")
+
+
+def mark_shared_copy(model: nn.Module) -> Optional[Tensor]:
+    """Mark a later pipeline stage's tied word-embedding copy ``zero_out_wgrad``; return it if marked here.
+
+    On that stage (tied heads, the MTP layers there, PP > 1) one weight serves both the output layer
+    and the MTP layers' embedding lookups. Under the ``main_grad`` protocol the output layer adds its
+    share to ``main_grad`` and returns an uninitialised placeholder, autograd sums the lookups' share
+    onto it, and DDP drops the sum (``grad_added_to_main_grad``): the lookups' share is lost (stock
+    mcore too). ``zero_out_wgrad`` is mcore's own flag for a weight two layers use on one stage (it
+    sets it at PP = 1 only): the placeholder is zeros, so DDP adds ``.grad``, which is then exactly
+    the lookups' share. Nothing is computed anew, and a stage without fusion is unchanged (the flag
+    is read only under the protocol).
+    """
+    if not (getattr(model, "share_embeddings_and_output_weights", False) and model.post_process and model.mtp_process):
+        return None
+    weight = model.embedding.word_embeddings.weight
+    if getattr(weight, "zero_out_wgrad", False):
+        return None  # PP = 1: mcore set it
+    weight.zero_out_wgrad = True
+    return weight
+
+
+def unmark_shared_copy(weight: Optional[Tensor]) -> None:
+    """Undo ``mark_shared_copy``."""
+    if weight is not None and getattr(weight, "zero_out_wgrad", False):
+        del weight.zero_out_wgrad

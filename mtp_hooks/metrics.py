@@ -9,7 +9,7 @@ from torch import Tensor
 
 # One depth of one micro-batch, as ``MTPMetrics.add`` takes it: (depth index, masked CE sum, masked
 # tokens, masked correct[, masked agreements, masked acceptance, chained acceptance of depths 1..k
-# and its positions (``heads.chain_sums``)]).
+# and its positions (``chain_sums``)]).
 DepthSums = tuple[Any, ...]
 
 _COLUMNS = 7  # ce, tokens, correct, agree, accept, chain, chain_tokens
@@ -18,7 +18,7 @@ _COLUMNS = 7  # ce, tokens, correct, agree, accept, chain, chain_tokens
 class MTPMetrics:
     """Token-weighted sums per depth: masked CE, masked tokens, masked positions predicted right
     and, when the main head is compared, masked argmax agreements, expected acceptances and the
-    chained acceptances (``heads.chain_sums``).
+    chained acceptances (``chain_sums``).
 
     ``read`` turns them into ``{"mtp_k/loss": ..., "mtp_k/acc": ..., "mtp_k/tokens": ...}`` plus
     ``"mtp_k/agree"``, ``"mtp_k/accept"`` and ``"mtp/accept_len"`` when compared. A depth that saw
@@ -79,3 +79,14 @@ class MTPMetrics:
         if compared and sums[-1][6]:  # depth N's chain positions have every depth's target: no prefix is empty
             out["mtp/accept_len"] = sum(row[5] / row[6] for row in sums)
         return out
+
+
+def chain_sums(accept: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
+    """Per step k, ``sum_t c_k(t) prod_{j<=k} alpha_j(t)`` and ``sum_t c_k(t)``, ``c_k(t) = prod_{j<=k} mask_j(t)``.
+
+    ``accept``, ``masks``: ``[N, T]``, every step's tokens at the same positions (the lean call's
+    order), so the product is the chance that a draft started at ``t`` has its first k tokens
+    accepted, over the positions where steps 1..k all have a target.
+    """
+    chain = masks.cumprod(dim=0)
+    return (accept.cumprod(dim=0) * chain).sum(dim=1), chain.sum(dim=1)

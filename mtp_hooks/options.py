@@ -1,20 +1,21 @@
-"""The options of ``attach``: one frozen, validated object instead of fifteen loose keywords."""
+"""The options of ``attach``: one frozen, validated object, and the vocabulary of every option."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
-from mtp_hooks.features.chain import DRAFT_INPUTS, DraftInputs
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
 from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
+DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
 
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 OUTPUTS: tuple[str, ...] = get_args(Output)
+DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
 
 
 def _is_real(value: Any) -> bool:

@@ -9,12 +9,13 @@ training forward, with hooks only:
 * steps past N: when the MTP block returns, its last layer is called again ``k - N`` times
   (``extra_steps``), each call with the block's own keyword arguments for that layer and the
   previous call's returned hidden state, ids and positions; the outputs join the block's output,
-  so the heads see ``1 + k`` chunks and train k steps against labels rolled k times;
+  so the heads see ``1 + k`` chunks and train k steps against labels rolled k times (the last
+  layer's call is recorded by a pre-hook kept first and a forward hook: ``record_call``);
 * own drafts: the pre-hook of every MTP layer call after the first gives the layer's embedding
   call the previous step's draft (``DraftEmbedding``): the argmax, or a sample at
   ``draft_temperature``, of the main head's weight on the hidden state that call receives
   (``step_drafts``, lean and vocab-parallel). The token is a discrete, detached choice: no
-  gradient flows through it. The hidden state keeps its gradient (step j's loss trains steps
+  gradient flows through it (``feed_draft``). The hidden state keeps its gradient (step j's loss trains steps
   before it through the state it was handed, as mcore's depths do), unless
   ``detach_between_depths`` cuts it.
 
@@ -25,19 +26,29 @@ first step; the chain changes the inputs and the layer reuse, not the attention 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from mtp_hooks.errors import MTPHooksError, bad_argument
-from mtp_hooks.ops.drafts import draft_tokens
+from mtp_hooks.errors import bad_argument
 from mtp_hooks.head import Head
+from mtp_hooks.ops.drafts import draft_tokens
+from mtp_hooks.options import Options
+from mtp_hooks.runtime.forward import Forward
 from mtp_hooks.runtime.proxies import ForwardOnlyProxy
 
-DraftInputs = Literal["labels", "argmax", "sample"]
-DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
+
+@dataclasses.dataclass
+class ChainCall:
+    """Per training forward: the last MTP layer's call (its kwargs before any hook rewrote them, and
+    its output) and the main head as the own drafts read it (``draft_head``, once per forward)."""
+
+    last_layer_kwargs: Optional[dict[str, Any]] = None
+    last_layer_output: Any = None
+    draft_head: Optional[Head] = None
 
 
 class DraftEmbedding(ForwardOnlyProxy):
@@ -56,19 +67,46 @@ class DraftEmbedding(ForwardOnlyProxy):
         return self.__wrapped__(*args, **kwargs)
 
 
+def steps_past_layers(depth: int, layers: int) -> int:
+    """How many times the last MTP layer is called again after the block: ``draft_steps`` - N."""
+    return max(depth - layers, 0)
+
+
+def record_call(chain: ChainCall, kwargs: dict[str, Any]) -> None:
+    """The block's own arguments of its last MTP layer's call, before any hook rewrites them."""
+    chain.last_layer_kwargs, chain.last_layer_output = dict(kwargs), None
+
+
+def record_output(chain: ChainCall, output: Any) -> None:
+    if chain.last_layer_kwargs is not None:
+        chain.last_layer_output = output
+
+
+def extend(chain: ChainCall, block: nn.Module, output: Tensor, count: int) -> Tensor:
+    """The MTP block's output with ``count`` more steps of its last layer appended."""
+    if chain.last_layer_kwargs is None:
+        raise AssertionError("mtp_hooks: the MTP block returned without a call of its last layer")
+    steps = extra_steps(block.layers[-1], chain.last_layer_kwargs, chain.last_layer_output, count)
+    return torch.cat([output, *steps])
+
+
+def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dict[str, Any]) -> None:
+    """An MTP layer call of step j >= 2: its embedding embeds the previous step's own draft, from
+    the hidden state that step hands on."""
+    if forward.mtp_layer_calls == 0 or kwargs.get("embedding") is None:
+        return
+    if chain.draft_head is None:
+        chain.draft_head = draft_head(forward.model, options.chunk_size)
+    temperature = options.draft_temperature if options.draft_inputs == "sample" else None
+    kwargs["embedding"] = DraftEmbedding(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
+
+
 def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
     """The main head as the drafts use it: the output layer with the weight mcore hands it."""
     layer = model.output_layer
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
     head = Head.of(layer, weight, chunk_size)
-    if not head.reproducible:
-        raise MTPHooksError(
-            "draft_inputs: own drafts are chosen from the head's logits without calling the output layer, which would "
-            "bypass what its calls do\n"
-            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
-            "its own, no hooks other than mtp_hooks' own)\n"
-            f"  received: a {type(layer).__name__} whose call does more; use draft_inputs='labels'"
-        )
+    head.require_reproducible("draft_inputs", "own drafts are chosen from the head's logits", "use draft_inputs='labels'")
     return head
 
 

@@ -1,16 +1,17 @@
-"""From the MTP block's output to the MTP losses on backward, and the main head's log-prob output.
+"""The MTP losses of a training forward, hung on the main head's call.
 
 The output layer of a training forward receives the MTP block's concatenated output
-``[(1+N)s, b, h]`` (the hooks keep stock mcore from splitting it). ``attach_mtp_losses`` splits it,
-computes each depth's loss on its chunk against the rolled targets (``mtp_targets``), lean or
-dense, and hangs the losses on chunk 0 with mcore's ``MTPLossAutoScaler``, so they reach backward
-through the main head exactly as stock mcore's do. ``head_logprobs`` scores labels with the main
-head in chunks for ``output="logprobs"``. Nothing here registers or removes hooks.
+``[(1+k)s, b, h]`` (the window keeps stock mcore from splitting it). ``attach`` splits it, computes
+each draft step's loss on its chunk against the rolled targets (``mtp_targets``), lean or dense,
+and hangs the losses on chunk 0 with mcore's ``MTPLossAutoScaler``, so they reach backward through
+the main head exactly as stock mcore's do. ``Losses`` is what a training forward keeps of it: the
+micro-batch's loss multiplier (``forward_scale``), the per-step metric sums and the loss path.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -18,27 +19,83 @@ from torch import Tensor, nn
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from mtp_hooks import _mcore
-from mtp_hooks.errors import MTPHooksError
-from mtp_hooks.metrics import DepthSums
-from mtp_hooks.ops.logprobs import TokenLogProbs, lean_logprobs
+from mtp_hooks.checks import check_loss_scale
+from mtp_hooks.features import deferral, detach
+from mtp_hooks.head import Head
+from mtp_hooks.metrics import DepthSums, chain_sums
 from mtp_hooks.ops.lean_loss import lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
 from mtp_hooks.ops.weight_grad import choose_weight_grad
 from mtp_hooks.options import Options
-from mtp_hooks.head import Head
+from mtp_hooks.runtime.forward import Forward
+from mtp_hooks.runtime.micro_batch import MicroBatch
 from mtp_hooks.targets import align_with_depths, roll_layout, rolled_targets
 
 
+@dataclasses.dataclass
+class Losses:
+    """Per training forward: its MTP loss multiplier and, once attached, the per-step metric sums
+    and the loss path taken."""
+
+    scale: Any = None  # micro_batch(loss_scale=) x call_loss_scale; None = 1
+    attached: bool = False
+    metrics: list[DepthSums] = dataclasses.field(default_factory=list)
+    path: Optional[str] = None
+    in_own_head_call: bool = False  # the dense path is calling the output layer itself
+
+
+def forward_scale(options: Options, targets: MicroBatch, arguments: Mapping[str, Any]) -> Any:
+    """A training forward's MTP loss multiplier: its targets' times ``call_loss_scale``'s of the
+    forward's ``arguments`` by name."""
+    scale = targets.loss_scale
+    if options.call_loss_scale is not None:
+        from_call = check_loss_scale("call_loss_scale", options.call_loss_scale(arguments))
+        if from_call is not None:
+            scale = from_call if scale is None else scale * from_call
+    return scale
+
+
+def attach(options: Options, forward: Forward, losses: Losses, head: Head, hidden: Tensor, depth: int) -> Tensor:
+    """The main head's call of a training forward: hang the ``depth`` steps' losses on it; returns the
+    main chunk of ``hidden``, which carries them. ``head.call`` is ``own_head_call`` (dense path)."""
+    targets = forward.targets
+    if targets is None:
+        raise AssertionError("mtp_hooks: MTP losses asked for an inference forward")
+    model = forward.model
+    batch = MTPBatch(targets.labels, targets.loss_mask, depth, forward.packed_seq_params, forward.packed_layout)
+    scale = options.mtp_loss_scale(model.config)
+    if losses.scale is not None:  # this micro-batch's multiplier
+        scale = scale * losses.scale
+    detached = detach.heads_detached(options, model.config)
+    main, losses.metrics, losses.path = attach_mtp_losses(options, model, head.detached() if detached else head, hidden, batch, scale)
+    losses.attached = True
+    return main
+
+
+def own_head_call(layer: nn.Module, losses: Losses, hidden: Tensor, weight: Tensor) -> Tensor:
+    """The output layer called for one draft step (dense path), past the hooks' own pre-hook and
+    outside mcore's deferred weight-gradient buffers (``deferral.undeferred_call``)."""
+    losses.in_own_head_call = True
+    try:
+        with deferral.undeferred_call(layer):
+            logits, _bias = layer(hidden, weight=weight, runtime_gather_output=False)
+    finally:
+        losses.in_own_head_call = False
+    return logits
+
+
 class MTPBatch(NamedTuple):
-    """One training micro-batch as the MTP heads take it: the user's targets, the model's N MTP
-    depths and the forward's packing (``packed_layout``: the MTP block's ``targets.packed_layout``,
-    computed once per forward; ``None``: computed from ``packed_seq_params``)."""
+    """One training micro-batch as the MTP heads take it: the user's targets, the ``depth`` draft
+    steps trained (the model's N MTP layers, or ``draft_steps``) and the forward's packing
+    (``packed_layout``: the MTP block's ``targets.packed_layout``, computed once per forward;
+    ``None``: computed from ``packed_seq_params``)."""
 
     labels: Tensor
     loss_mask: Optional[Tensor]
     depth: int
     packed_seq_params: Any = None
     packed_layout: Any = None
+
 
 def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
     """The MTP block's ``[(1+N)s, b, h]`` output as 1 + N equal chunks (main, depth 1, ..., N)."""
@@ -60,7 +117,7 @@ def attach_mtp_losses(
     the installed mcore release (``_mcore.depth_coefficient``) unless ``options.per_token_rescale``
     picks a rule. Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has
     one, by ``batch.packed_layout`` when given. An output layer whose call the lean path does not reproduce
-    (``stock_head.reproducible_head``: its own ``forward``, TE's layer, foreign hooks) takes the
+    (``head.reproducible_head``: its own ``forward``, TE's layer, foreign hooks) takes the
     dense path: stock's MTP heads call the output layer, so what it does (soft-capping, adapters,
     monitors) acts on them, and only a real call reproduces that; the draft objectives and
     agreement metrics, lean only, are refused there.
@@ -75,14 +132,11 @@ def attach_mtp_losses(
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
     rule = (loss_scale / depth, per_token, original_tokens)
-    if not head.reproducible and options.compares_with_main_head:
-        raise MTPHooksError(
-            f"objective: {options.objective!r} (and agreement_metrics) compute the MTP logits without calling the output layer, "
-            "which would bypass what its calls do\n"
-            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
-            "its own, no hooks other than mtp_hooks' own)\n"
-            f"  received: a {type(head.layer).__name__} whose call does more; use objective='ce' without agreement_metrics "
-            "(the dense path then calls it, as stock)"
+    if options.compares_with_main_head:
+        head.require_reproducible(
+            "objective",
+            f"{options.objective!r} (and agreement_metrics) compute the MTP logits",
+            "use objective='ce' without agreement_metrics (the dense path then calls it, as stock)",
         )
     if options.loss_impl == "dense" or not head.reproducible:
         main, sums = chunks[0], []
@@ -166,17 +220,6 @@ def _lean_loss(
     return out.objective, sums, path if weight.requires_grad else "detached"
 
 
-def chain_sums(accept: Tensor, masks: Tensor) -> tuple[Tensor, Tensor]:
-    """Per depth k, ``sum_t c_k(t) prod_{j<=k} alpha_j(t)`` and ``sum_t c_k(t)``, ``c_k(t) = prod_{j<=k} mask_j(t)``.
-
-    ``accept``, ``masks``: ``[N, T]``, every depth's tokens at the same positions (the lean call's
-    order), so the product is the chance that a draft started at ``t`` has its first k tokens
-    accepted, over the positions where depths 1..k all have a target.
-    """
-    chain = masks.cumprod(dim=0)
-    return (accept.cumprod(dim=0) * chain).sum(dim=1), chain.sum(dim=1)
-
-
 def _main_head_inputs(head: Head, main: Tensor, depth: int, layout: Any, cp_group: Any) -> list[Tensor]:
     """Per depth k, the main head's (detached, SP-gathered) input at position t + k, for the
     draft objectives and agreement metrics (``targets.align_with_depths``)."""
@@ -185,36 +228,3 @@ def _main_head_inputs(head: Head, main: Tensor, depth: int, layout: Any, cp_grou
             main = gather_from_sequence_parallel_region(main, group=head.tp_group)
         return align_with_depths(main, depth, layout=layout, cp_group=cp_group)
 
-
-def head_logprobs(options: Options, head: Head, hidden: Tensor, labels: Tensor) -> TokenLogProbs:
-    """``output="logprobs"``: the main head's log-probs of ``labels`` (and entropy), ``[b, s]``.
-
-    Scores the labels without calling the output layer, so what its calls do (hooks, a
-    ``forward`` of its own) would not act on the log-probs: a head that is not
-    ``reproducible_head`` is refused.
-    """
-    if not head.reproducible:
-        raise MTPHooksError(
-            "output: output='logprobs' computes the log-probs without calling the output layer, so what its calls do "
-            "(hooks registered on it or torch's global module hooks, a forward or _forward_impl of its own class) "
-            "would not act on them\n"
-            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes, without hooks other than mtp_hooks' own\n"
-            f"  received: a {type(head.layer).__name__} whose call does more; use output='logits' (the default) to keep it"
-        )
-    full = head.input(hidden)
-    s, b = full.shape[0], full.shape[1]
-    out = lean_logprobs(
-        full.reshape(s * b, -1),
-        head.weight,
-        labels.t().reshape(-1),
-        head.tp_group,
-        head.chunk(s * b),
-        options.temperature,
-        options.entropy,
-        main_grad_protocol=head.main_grad_protocol,
-    )
-
-    def as_bs(tensor: Tensor) -> Tensor:
-        return tensor.view(s, b).t()
-
-    return TokenLogProbs(as_bs(out.logprobs), None if out.entropy is None else as_bs(out.entropy))

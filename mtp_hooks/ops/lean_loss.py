@@ -86,7 +86,7 @@ class LeanMTPLoss(torch.autograd.Function):
     accumulates it during forward into one ``[V/tp, H]`` buffer (fp32 for half, bf16 and fp32
     inputs; fp16's token weights normalised by their largest, so its GEMM operands stay in
     range), which backward scales by the upstream gradient. With ``main_grad_protocol``
-    (``main_grad.follows_main_grad_protocol``) backward adds the weight gradient to
+    (``head.follows_main_grad_protocol``) backward adds the weight gradient to
     ``weight.main_grad`` and returns mcore's placeholder, as mcore's output layer does. With the
     weight detached neither does any weight-gradient work. Tokens are independent, so the caller
     may pass several depths' tokens at once (each carrying its own coefficient in

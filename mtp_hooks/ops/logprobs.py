@@ -53,7 +53,7 @@ class LeanLogProbs(torch.autograd.Function):
     Inputs: ``hidden`` ``[T, H]`` (gathered / copied into the TP region by the caller), ``weight``
     ``[V/tp, H]``, ``labels`` ``[T]``. Outputs: log-probs ``[T]`` and entropy ``[T]`` (zeros when
     ``with_entropy`` is false), in fp32 (fp64 for fp64 inputs). With ``main_grad_protocol``
-    (``main_grad.follows_main_grad_protocol``) backward adds the weight gradient to
+    (``head.follows_main_grad_protocol``) backward adds the weight gradient to
     ``weight.main_grad`` and returns mcore's placeholder, as mcore's output layer does.
     """
 

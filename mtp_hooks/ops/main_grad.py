@@ -18,19 +18,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mtp_hooks.ops.workspace import Workspace
-
-
-def follows_main_grad_protocol(layer: nn.Module, weight: Tensor) -> bool:
-    """Whether mcore's output layer would accumulate ``weight``'s gradient into ``weight.main_grad``.
-
-    mcore's own test (``LinearWithGradAccumulationAndAsyncCommunication.forward``):
-    ``gradient_accumulation_fusion and hasattr(weight, "main_grad")``. A detached weight (a
-    frozen head) is a new tensor without ``main_grad``.
-    """
-    return bool(getattr(layer, "gradient_accumulation_fusion", False)) and weight.requires_grad and hasattr(weight, "main_grad")
 
 
 def add_product_(main_grad: Tensor, grad: Tensor, hidden: Tensor) -> None:
@@ -70,7 +60,7 @@ class HeadWeightGrad:
     Made in forward, where mcore's layer reads ``main_grad`` too. Backward hands it the parts:
     ``add_rows_`` (rows ``grad.T @ hidden`` of one vocabulary slice) or ``add_scaled_`` (a whole
     fp32 accumulator times the upstream factor), and returns ``result()`` as the weight's
-    gradient. With ``main_grad_protocol`` (``follows_main_grad_protocol``) the parts go into
+    gradient. With ``main_grad_protocol`` (``head.follows_main_grad_protocol``) the parts go into
     ``weight.main_grad`` and the result is mcore's placeholder (``placeholder_grad``); without,
     they make a plain gradient in the weight's dtype. ``input_dtype``: the hidden states' dtype
     (mcore's placeholder has it).
@@ -111,30 +101,3 @@ class HeadWeightGrad:
         assert self._weight is not None
         return placeholder_grad(self._weight, self.main_grad, self._input_dtype, spent=self._spent)
 
-
-def mark_shared_copy(model: nn.Module) -> Optional[Tensor]:
-    """Mark a later pipeline stage's tied word-embedding copy ``zero_out_wgrad``; return it if marked here.
-
-    On that stage (tied heads, the MTP layers there, PP > 1) one weight serves both the output layer
-    and the MTP layers' embedding lookups. Under the protocol the output layer adds its share to
-    ``main_grad`` and returns an uninitialised placeholder, autograd sums the lookups' share onto it,
-    and DDP drops the sum (``grad_added_to_main_grad``): the lookups' share is lost (stock mcore too).
-    ``zero_out_wgrad`` is mcore's own flag for a weight two layers use on one stage (it sets it at
-    PP = 1 only): the placeholder is zeros, so DDP adds ``.grad``, which is then exactly the lookups'
-    share. Nothing is computed anew, and a stage without fusion is unchanged (the flag is read only
-    under the protocol). The alternatives (the lookups' gradient routed into ``main_grad`` by a hook
-    on their output, or by ``DetachedEmbedding``) would recompute mcore's embedding backward.
-    """
-    if not (getattr(model, "share_embeddings_and_output_weights", False) and model.post_process and model.mtp_process):
-        return None
-    weight = model.embedding.word_embeddings.weight
-    if getattr(weight, "zero_out_wgrad", False):
-        return None  # PP = 1: mcore set it
-    weight.zero_out_wgrad = True
-    return weight
-
-
-def unmark_shared_copy(weight: Optional[Tensor]) -> None:
-    """Undo ``mark_shared_copy``."""
-    if weight is not None and getattr(weight, "zero_out_wgrad", False):
-        del weight.zero_out_wgrad

@@ -8,9 +8,12 @@ written back into the slot it was found in.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
+
+# What a with-kwargs pre-hook returns: the call's new (args, kwargs), or None to leave it as it is.
+HookResult = Optional[tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 class CallArguments:

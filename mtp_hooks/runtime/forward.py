@@ -1,4 +1,4 @@
-"""The state of one forward, and the short window in which the model is not stock.
+"""The core of one forward, and the short window in which the model is not stock.
 
 A forward changes the language model only inside one *window* of mcore's own post-processing:
 from the end of the decoder (inference: ``mtp_process = False``, so the MTP block does not run)
@@ -6,8 +6,11 @@ or of the MTP block (training) to the output layer's first pre-hook on the main 
 where an output-layer pre-hook that the hooks keep first closes it. Two attributes change there,
 written straight into the model's ``__dict__`` (what ``nn.Module.__setattr__`` does for plain
 values): ``config`` becomes a ``proxies.config_view`` (``mtp_num_layers`` reads ``None``: stock's
-own MTP loss stays off) and, where needed, ``mtp_process`` becomes ``False``. Closing writes back
-the values recorded at ``attach``. No user hook on the model's modules runs inside the window.
+own MTP loss stays off) and ``mtp_process`` becomes ``False``. Closing writes back the values
+recorded at ``attach``. No user hook on the model's modules runs inside the window.
+
+``Forward`` holds what every forward needs; each option keeps its own per-forward fields in its
+``features`` module, and ``hooks.InFlight`` puts them together.
 """
 
 from __future__ import annotations
@@ -15,29 +18,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from mtp_hooks.metrics import DepthSums
-from mtp_hooks.ops.logprobs import TokenLogProbs
-
-if TYPE_CHECKING:
-    from mtp_hooks.head import Head
-
-
-@dataclasses.dataclass
-class MicroBatch:
-    """Targets of one training micro-batch, as the user gave them."""
-
-    labels: Tensor
-    loss_mask: Optional[Tensor]
-    loss_scale: Any = None  # multiplier of this micro-batch's MTP loss (float or 0-d tensor), None = 1
-    used: bool = False  # a training forward (or a checkpointed one, see ``recompute``) took them
-    entered: bool = False  # ``with`` entered: the only way targets reach a forward
-    seen: bool = False  # a grad-disabled forward of the model ran inside the block
-    scored: bool = False  # ... and scored them (``output="logprobs"``)
-    thread: int = dataclasses.field(default_factory=threading.get_ident)  # the thread that armed it
+from mtp_hooks.runtime.micro_batch import MicroBatch
 
 
 @dataclasses.dataclass
@@ -50,14 +35,14 @@ class Originals:
 
 
 @dataclasses.dataclass
-class ForwardState:
-    """State of the forward in flight; lives from the model's pre-hook to its post-hook."""
+class Forward:
+    """The forward in flight; lives from the model's pre-hook to its post-hook."""
 
     model: nn.Module
     kwargs: dict[str, Any]  # the call's kwargs dict, to tell this call's post-hook from a nested one's
     thread: int
     exception: Optional[BaseException]  # ``sys.exc_info()[1]`` when the forward started
-    targets: Optional[MicroBatch] = None
+    targets: Optional[MicroBatch] = None  # set for a training forward only
     packed_seq_params: Any = None
     packed_layout: Any = None  # ``targets.packed_layout`` of ``packed_seq_params``, read once (MTP block pre-hook)
     recompute: bool = False  # a checkpoint recompute of a forward that trained (and was counted) already
@@ -65,18 +50,7 @@ class ForwardState:
     main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
     mtp_layer_calls: int = 0
-    last_layer_call: Optional[tuple[dict[str, Any], Any]] = None  # the chain: the last MTP layer's kwargs and output
-    draft_head: Optional[Head] = None  # the chain's own drafts: ``chain.draft_head``, read once per forward
-    attached: bool = False
-    loss_path: Optional[str] = None
-    in_own_head_call: bool = False
-    metrics: list[DepthSums] = dataclasses.field(default_factory=list)
-    output_weight: Optional[Tensor] = None  # see ``ForwardHooks._open_inference_window``
-    head_labels: Optional[Tensor] = None
-    head_output: Optional[TokenLogProbs] = None
-    head_call: Optional[Tensor] = None  # output="logprobs": the input of mcore's own main-head call, until it returns
-    undeferred_call: Optional[Tensor] = None  # the input of the main head's call run undeferred (``deferral``), until it returns
-    loss_scale: Any = None  # this forward's MTP loss multiplier: micro_batch(loss_scale=) x call_loss_scale
+    output_weight: Optional[Tensor] = None  # an inference forward's tied weight on a later stage (``hooks.on_decoder_post``)
     # Attributes of MTP layers swapped for the MTP block's run (module, name, original), restored
     # when the block returns or, if it raised, when the window closes.
     swaps: list[tuple[nn.Module, str, Any]] = dataclasses.field(default_factory=list)
@@ -85,15 +59,19 @@ class ForwardState:
     def train(self) -> bool:
         return self.targets is not None
 
-    def open_window(self, originals: Originals, mtp_process_off: bool) -> None:
+    @property
+    def here(self) -> bool:
+        """Whether the calling thread is the one running this forward."""
+        return self.thread == threading.get_ident()
+
+    def open_window(self, originals: Originals) -> None:
         attributes = self.model.__dict__
         attributes["config"] = originals.view
-        if mtp_process_off:
-            attributes["mtp_process"] = False
+        attributes["mtp_process"] = False
         self.window = originals
 
     def swap(self, module: nn.Module, name: str, value: Any) -> None:
-        """Set a plain attribute of an MTP layer for the MTP block's run (``restore_swaps``)."""
+        """Set a plain attribute of a submodule for the MTP block's run (``restore_swaps``)."""
         attributes = module.__dict__
         self.swaps.append((module, name, attributes[name]))
         attributes[name] = value
@@ -104,7 +82,7 @@ class ForwardState:
             module.__dict__[name] = value
 
     def close_window(self) -> bool:
-        """Put back what the window changed (and any MTP-layer swap); ``True`` if the window was open."""
+        """Put back what the window changed (and any swap); ``True`` if the window was open."""
         self.restore_swaps()
         originals = self.window
         if originals is None:

@@ -9,9 +9,9 @@
   ``config_view(config, live, "recompute_granularity")`` is the same for another field: the MTP
   layers of a packed batch run without the full recompute that stock 0.16 - 0.17 cannot do there;
   with ``"defer_embedding_wgrad_compute"`` the dense MTP heads' own output-layer calls and the main
-  head's training call stay out of mcore's deferred-wgrad buffers (``submodule_hooks``, ``deferral``).
-* ``DetachedEmbedding`` (wrapt) calls the real embedding module and detaches what it returns, so
-  the MTP layers learn from the next-token embeddings without sending gradient into them.
+  head's training call stay out of mcore's deferred-wgrad buffers (``features.deferral``).
+* ``ForwardOnlyProxy`` (wrapt): the base of the module proxies an option hands an MTP layer for one
+  call (``features.detach.DetachedEmbedding``, ``features.chain.DraftEmbedding``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import copy
 from typing import Any, Callable
 
 import wrapt
-from torch import Tensor
 
 # wrapt >= 2 names the attribute-forwarding proxy ``BaseObjectProxy``; 1.x calls it ``ObjectProxy``.
 _ObjectProxy: Any = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
@@ -81,9 +80,3 @@ class ForwardOnlyProxy(_ObjectProxy):  # type: ignore[misc]
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError(f"{type(self).__name__} lives for one forward and is not meant to be copied")
 
-
-class DetachedEmbedding(ForwardOnlyProxy):
-    """An embedding module whose call returns a detached tensor."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        return self.__wrapped__(*args, **kwargs).detach()

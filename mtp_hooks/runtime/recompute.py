@@ -29,7 +29,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.utils.checkpoint as _checkpoint
 
-from mtp_hooks.runtime.forward import MicroBatch
 
 
 def _code(function: Any) -> Optional[CodeType]:
@@ -97,10 +96,10 @@ def enclosing_regions() -> Regions:
 
 
 class Bound(NamedTuple):
-    """What a checkpointed forward left for its recomputes: its targets (``None``: it had none)
-    and whether it trained (then it was counted, and its recomputes are not)."""
+    """What a checkpointed forward left for its recomputes: its targets (``micro_batch.MicroBatch``;
+    ``None``: it had none) and whether it trained (then it was counted, and its recomputes are not)."""
 
-    targets: Optional[MicroBatch]
+    targets: Any
     trained: bool
 
 

@@ -187,7 +187,7 @@ def _last_stage(pair: SpawnedGroup, case: Case) -> tuple[dict[str, Any], list[st
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_the_mtp_stages_tied_embedding_copy_is_marked_zero_out_wgrad_while_attached(pair: SpawnedGroup, tied: bool) -> None:
     """PP=2: the last stage's tied word-embedding copy (the head's weight and the MTP lookups') is
-    marked ``zero_out_wgrad`` while attached (``mtp_hooks.main_grad.mark_shared_copy``; the tied
+    marked ``zero_out_wgrad`` while attached (``mtp_hooks.head.mark_shared_copy``; the tied
     fusion cases check the gradients) and unmarked by ``remove()``; nothing else is marked."""
     results = pair.run(scenario_zero_out_wgrad_marks, {"pipeline_model_parallel_size": 2}, timeout_s=120.0, tied=tied)
     marks = {r["last_stage"]: r["marks"] for r in results}
@@ -221,7 +221,7 @@ def test_stock_pairs_deferred_activations_with_gradients_in_the_wrong_order(pair
 def test_stock_drains_the_deferred_head_gradient_into_the_embedding_weight(pair: SpawnedGroup) -> None:
     """``defer_embedding_wgrad_compute`` with MTP, PP=2, untied: stock's drain writes the head's
     gradient into the word embeddings, and the head's own ``main_grad`` stays 0. The hooks keep the
-    main head's call undeferred there (``mtp_hooks.deferral``): both weights equal undeferred stock."""
+    main head's call undeferred there (``mtp_hooks.features.deferral``): both weights equal undeferred stock."""
     case = Case(layout="pp2", tied=False, output="logits", loss_impl="lean", sync="fusion", defer=True)
     last, _ = _last_stage(pair, case)
     assert last["reference"][HEAD].any()

@@ -1,7 +1,7 @@
 """``torch.utils.checkpoint`` of hooked forwards: every recompute trains on its own forward's targets.
 
 A checkpointed forward is run again in backward. The targets of that recompute are bound to the
-checkpoint region of the forward they belong to (``mtp_hooks/recompute.py``), so several checkpointed
+checkpoint region of the forward they belong to (``mtp_hooks/runtime/recompute.py``), so several checkpointed
 micro-batches may be in flight and backwarded in any order, one ``input_ids`` object may serve
 micro-batches with different masks, and labels may be built inline and dropped before backward.
 Stock mcore, called with the same labels under the same checkpoint, is the reference: every
@@ -154,7 +154,7 @@ def test_recompute_inside_another_open_micro_batch_keeps_its_own_targets(flavour
 
 
 def test_the_installed_torch_checkpoint_is_recognised() -> None:
-    """The binding reads torch's own checkpoint frames (``mtp_hooks/recompute.py``): a torch whose
+    """The binding reads torch's own checkpoint frames (``mtp_hooks/runtime/recompute.py``): a torch whose
     checkpoint is laid out otherwise fails here, before any recompute could go without targets."""
     from mtp_hooks.runtime import recompute
 

@@ -192,13 +192,13 @@ def test_pickled_hooks_are_rebound_to_the_unpickled_model() -> None:
     """The hooks' own pickling, on a model that pickles: a holder of the hooks' state and model."""
     model = SHAPE.build(7)
     hooks = mtp_hooks.attach(model)
-    inner = hooks._hooks
-    state = inner.__getstate__()
-    assert state["_copy_of"][0] is model and "_lock" not in state
-    clone = object.__new__(type(inner))
+    binding = hooks._hooks.binding
+    state = binding.__getstate__()
+    assert state["copy_of"][0] is model and list(state) == ["copy_of"]
+    clone = object.__new__(type(binding))
     clone.__setstate__(dict(state))
-    assert clone.alive_model is model and clone.forward is None and clone.pending is None
-    assert clone._lock is not inner._lock and not clone._lock.locked()
+    assert clone.alive_model is model and clone.flight.current is None and clone.micro_batches.pending is None
+    assert clone.flight._lock is not binding.flight._lock and not clone.flight._lock.locked()
 
 
 def test_deepcopy_without_a_memo_fails_exactly_as_for_a_stock_twin() -> None:
@@ -217,6 +217,6 @@ def test_deepcopy_without_a_memo_fails_exactly_as_for_a_stock_twin() -> None:
         return "no error"
 
     assert error_of(model) == error_of(stock) and "ProcessGroup" in error_of(stock)
-    assert mtp_hooks.hooks_of(model) is hooks and hooks._hooks.forward is None
+    assert mtp_hooks.hooks_of(model) is hooks and hooks._hooks.binding.flight.current is None
     assert mtp_hooks.hooks_of(deep_copy(stock)) is None and mtp_hooks.hooks_of(deep_copy(model)) is not None
     assert_trains_like_stock(model, hooks, seed=6)

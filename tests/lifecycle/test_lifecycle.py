@@ -1,7 +1,7 @@
 """The model is stock whenever none of the hooks' forwards is running, and every user hook sees it.
 
 A forward changes the language model only inside a short window of mcore's own post-processing
-(``mtp_hooks/state.py``), which no user hook on the model's modules sees. Pinned here: the config
+(``mtp_hooks/runtime/forward.py``), which no user hook on the model's modules sees. Pinned here: the config
 view inside that window is a config of the config's own class; interrupts leave a stock model;
 targets live only in their ``with`` block (grad-disabled forwards never use them up, a recompute
 of the same forward repeats them); only forwards that really complete are counted; user calls

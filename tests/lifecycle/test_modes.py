@@ -1,6 +1,6 @@
 """Module and autograd modes: ``eval()``, ``no_grad``, ``inference_mode`` and activation recompute.
 
-Training is decided by two things only (see ``mtp_hooks/forward.py``): labels were given and
+Training is decided by two things only (see ``mtp_hooks/hooks.py``): labels were given and
 gradients are enabled. ``model.eval()`` does not change that, exactly as stock mcore 0.16.1
 attaches its MTP loss in eval mode too (only its loss logging is gated on ``training``). Under
 ``no_grad`` / ``inference_mode`` a forward with labels is an inference micro-batch: the MTP

@@ -335,7 +335,7 @@ def test_attached_context_manager_removes_on_exit_and_on_error() -> None:
     with mtp_hooks.attached(model, loss_impl="dense", chunk_size=4) as hooks:
         twins.hooks = hooks
         assert mtp_hooks.hooks_of(model) is hooks
-        assert (hooks.loss_impl, hooks.chunk_size) == ("dense", 4)
+        assert (hooks.options.loss_impl, hooks.options.chunk_size) == ("dense", 4)
         assert hook_dicts(model) != dicts
         assert twins.assert_step_matches(batch, "kwargs").logits.shape == (2, 8, VOCAB)
     assert hook_dicts(model) == dicts

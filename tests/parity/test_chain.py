@@ -1,4 +1,4 @@
-"""The draft chain (``draft_steps``, ``draft_inputs``; ``mtp_hooks.chain``) beyond the parity matrix.
+"""The draft chain (``draft_steps``, ``draft_inputs``; ``mtp_hooks.features.chain``) beyond the parity matrix.
 
 The matrix (``parity.AXES["chain"]``) runs k = 2 (own argmax drafts), 3 (teacher-forced) and 4
 (own argmax drafts) on the N = 2 twins against stock's own k-depth loss with the chain applied by

@@ -22,7 +22,7 @@ DETACH_OPTIONS = {
     "between": {"detach_encoder": True, "detach_between_depths": True},
 }
 
-# The draft chain (``mtp_hooks.chain``) on the N = 2 twins: (draft_steps, draft_inputs).
+# The draft chain (``mtp_hooks.features.chain``) on the N = 2 twins: (draft_steps, draft_inputs).
 CHAIN: dict[str, tuple[Optional[int], str]] = {
     "none": (None, "labels"),
     "k2_argmax": (2, "argmax"),

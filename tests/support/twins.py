@@ -202,10 +202,10 @@ def assert_next_micro_batches_like_stock(
     stock = shape.build(seed)
     expected = stock_step(stock, batch)
     reference, reference_metrics = stock, None
-    if hooks.detach_encoder or hooks.detach_head:
+    if hooks.options.detach_encoder or hooks.options.detach_head:
         reference = shape.build(seed)
         same_options = dict(
-            detach_encoder=hooks.detach_encoder, detach_head=hooks.detach_head, loss_impl=hooks.loss_impl, chunk_size=hooks.chunk_size
+            detach_encoder=hooks.options.detach_encoder, detach_head=hooks.options.detach_head, loss_impl=hooks.options.loss_impl, chunk_size=hooks.options.chunk_size
         )
         with mtp_hooks.attached(reference, **same_options) as other:
             hooked_step(reference, other, batch)

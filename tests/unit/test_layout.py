@@ -47,3 +47,44 @@ def test_ops_modules_import_nothing_of_the_hook_runtime(path: pathlib.Path) -> N
 def test_errors_imports_nothing_of_the_package() -> None:
     own = [name for name in imported_modules(PACKAGE / "errors.py") if name.split(".")[0] == "mtp_hooks"]
     assert not own, f"mtp_hooks/errors.py imports {own}; ops relies on it being a leaf"
+
+
+def _package_imports(folder: str) -> list[tuple[str, str]]:
+    """(module file, imported name) for every ``mtp_hooks`` import of the modules in ``folder``."""
+    return [
+        (path.name, name)
+        for path in sorted((PACKAGE / folder).glob("*.py"))
+        for name in imported_modules(path)
+        if name.split(".")[0] == "mtp_hooks"
+    ]
+
+
+def test_runtime_names_no_option() -> None:
+    """``runtime`` holds the forward's shared mechanics: it imports no option module, nor the switchboard."""
+    upward = [(f, n) for f, n in _package_imports("runtime") if n.startswith(("mtp_hooks.features", "mtp_hooks.hooks", "mtp_hooks.api", "mtp_hooks.handle"))]
+    assert not upward, f"mtp_hooks/runtime imports {upward}"
+
+
+def test_features_never_import_the_switchboard() -> None:
+    """Each option module is called by ``hooks``; none of them calls back up into it (or the face)."""
+    upward = [(f, n) for f, n in _package_imports("features") if n.startswith(("mtp_hooks.hooks", "mtp_hooks.api", "mtp_hooks.handle"))]
+    assert not upward, f"mtp_hooks/features imports {upward}"
+
+
+def test_no_library_module_is_over_300_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"modules over 300 lines: {long}"
+
+
+def test_attach_takes_exactly_the_options() -> None:
+    """``attach``'s keyword parameters are ``Options``' fields, with the same defaults (``attach``
+    builds ``Options`` from its arguments by these names)."""
+    import dataclasses
+    import inspect
+
+    import mtp_hooks
+    from mtp_hooks.options import Options
+
+    parameters = {n: p.default for n, p in inspect.signature(mtp_hooks.attach).parameters.items() if n != "model"}
+    fields = {f.name: f.default for f in dataclasses.fields(Options)}
+    assert parameters == fields
