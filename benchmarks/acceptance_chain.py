@@ -48,8 +48,9 @@ def parse_variant(name: str) -> tuple[str, Optional[str]]:
 def training_options(name: str, temperature: float, steps: int) -> dict[str, Any]:
     """The ``mtp_hooks.attach`` options a variant trains with (``frozen``: those of ``ce``, never stepped)."""
     objective, inputs = parse_variant(name)
+    # accept_rule="sampled": the benchmark's speculative loops sample their drafts (acceptance_spec.py, ``verify``).
     options: dict[str, Any] = dict(detach_encoder=True, detach_head=True, objective="ce" if objective == "frozen" else objective,
-                                   agreement_metrics=True, draft_temperature=temperature)
+                                   agreement_metrics=True, draft_temperature=temperature, accept_rule="sampled")
     if inputs is not None:
         options.update(draft_steps=steps, draft_inputs=inputs)
     return options
@@ -188,7 +189,9 @@ def evaluate_chain(arm: Any, rollouts: Tensor, setting: Any, seed: int, temperat
     for the evaluation and re-attached after (its optimizers hold the parameters: unaffected)."""
     steps, model = setting.chain, arm.model
     arm.hooks.remove()
-    hooks = mtp_hooks.attach(model, draft_steps=steps, draft_inputs="sample", draft_temperature=temperature, agreement_metrics=True)
+    hooks = mtp_hooks.attach(
+        model, draft_steps=steps, draft_inputs="sample", draft_temperature=temperature, agreement_metrics=True, accept_rule="sampled"
+    )
     probe = ChainProbe(model)
     try:
         _, mask = next_token_targets(rollouts, setting.prompt)

@@ -56,7 +56,8 @@ def pretrain(model: nn.Module, task: Task, setting: Setting, log: Any) -> dict[s
     windows: list[float] = []
     losses: list[float] = []
     flat = False
-    with mtp_hooks.attached(model, agreement_metrics=True) as hooks:
+    # accept_rule="sampled": the benchmark's speculative loop samples its drafts (acceptance_spec.py).
+    with mtp_hooks.attached(model, agreement_metrics=True, accept_rule="sampled") as hooks:
         for step in range(1, setting.sft_max_steps + 1):
             tokens = task.pretrain_batch(setting.sft_batch, setting.pretrain_seq, gen)
             labels = torch.roll(tokens, -1, 1)

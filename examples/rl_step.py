@@ -143,7 +143,8 @@ def _signed(value: float) -> str:
 def main() -> None:
     with runtime() as device:
         model = tiny_gpt_with_mtp(device)
-        # agreement_metrics: the draft's acceptance at draft_temperature=1.0, the rollout's sampling temperature
+        # agreement_metrics: the draft's acceptance at draft_temperature=1.0, the rollout's sampling temperature,
+        # as vLLM and SGLang verify drafts by default (accept_rule="argmax")
         hooks = mtp_hooks.attach(model, detach_encoder=True, detach_head=True, agreement_metrics=True)
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
         prompts = torch.randint(0, VOCAB, (PROMPTS, PROMPT_LEN), device=device)

@@ -26,7 +26,7 @@ from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.features.detach import check_wrappers
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, check_model, find_language_model
-from mtp_hooks.options import DraftInputs, LossImpl, Objective, Options, Output
+from mtp_hooks.options import AcceptRule, DraftInputs, LossImpl, Objective, Options, Output
 
 
 def attach(
@@ -41,6 +41,7 @@ def attach(
     objective: Objective = "ce",
     agreement_metrics: bool = False,
     draft_temperature: float = 1.0,
+    accept_rule: AcceptRule = "argmax",
     draft_steps: Optional[int] = None,
     draft_inputs: DraftInputs = "labels",
     output: Output = "logits",
@@ -80,20 +81,31 @@ def attach(
         objective: what the MTP heads learn (lean only). ``"ce"``: stock cross-entropy on the
             labels. ``"distill"``: cross-entropy against the main head's detached distribution at
             the position predicting the same token. ``"tv"``: total variation to that
-            distribution, i.e. 1 - expected speculative-sampling acceptance ``alpha``.
-            ``"accept"``: ``-log alpha`` per token (tv's gradient divided by ``alpha``: it does not
-            fade where the draft is rarely accepted; see ``mtp_hooks.ops.objectives``).
+            distribution, ``1 - sum_v min(p, q)``. ``"accept"``: ``-log alpha`` per token, alpha the
+            expected acceptance under ``accept_rule``; under ``"argmax"``, whose ``p_T(argmax q)``
+            has no gradient, the surrogate ``-log sum_v p_T q_1`` with the draft's untempered
+            softmax (optimum: the draft's argmax is the target's; at T = 0 the draft's CE against
+            the target's argmax; ``mtp_hooks.ops.draft_rule`` says why).
         agreement_metrics: also report per depth ``mtp_k/agree`` (MTP argmax equals the main
-            head's at the matching position) and ``mtp_k/accept`` (``sum_v min(p_main, q_mtp)``),
-            and ``mtp/accept_len`` (expected accepted draft tokens, ``MTPHooks.metrics``); costs
-            one more head matmul per depth in forward (lean only; implied by ``"distill"`` /
-            ``"tv"`` / ``"accept"``).
-        draft_temperature: the rollout's sampling temperature T: ``"distill"``, ``"tv"``,
-            ``"accept"`` and the acceptance metrics use ``p_main`` and ``q_mtp`` at
-            ``softmax(logits / T)``, both tempered as a speculative sampler at T draws the draft
-            token from the tempered draft and verifies it against the tempered target. The CE on
-            the labels (``"ce"``, ``mtp_k/loss``) stays untempered. A float > 0; other than 1.0
-            only with a draft objective, ``agreement_metrics`` or ``draft_inputs="sample"``.
+            head's at the matching position) and ``mtp_k/accept`` (the expected acceptance alpha
+            under ``accept_rule``), and ``mtp/accept_len`` (expected accepted draft tokens,
+            ``MTPHooks.metrics``); costs one more head matmul per depth in forward (lean only;
+            implied by ``"distill"`` / ``"tv"`` / ``"accept"``).
+        draft_temperature: the rollout's sampling temperature T (0: greedy): ``"distill"``,
+            ``"tv"``, ``"accept"`` and the acceptance metrics use ``p_main`` and ``q_mtp`` at
+            ``softmax(logits / T)``, both tempered as a speculative sampler at T verifies against
+            the tempered target (at T = 0 both one-hot at the first argmax). The CE on the labels
+            (``"ce"``, ``mtp_k/loss``) stays untempered. A float >= 0; other than 1.0 only with a
+            draft objective, ``agreement_metrics`` or ``draft_inputs="sample"``; 0 refused with
+            ``"distill"``, ``"tv"``, and ``"accept"`` under ``"sampled"`` / ``"match"`` (undefined
+            or without gradient there).
+        accept_rule: how the rollout engine verifies a draft token, i.e. which acceptance
+            ``mtp_k/accept``, ``mtp/accept_len`` and ``"accept"`` measure: ``"argmax"`` (default;
+            vLLM's and SGLang's default: the draft's argmax accepted with probability
+            ``p_T(argmax q)``), ``"sampled"`` (rejection sampling of sampled drafts:
+            ``sum_v min(p_T, q_T)``) or ``"match"`` (exact match of independent samples, an
+            exact-match verifier fed a sampled draft: ``sum_v p_T q_T``). All three are argmax agreement at T = 0. Other
+            than ``"argmax"`` only where acceptance is measured.
         draft_steps: train a chain of k draft steps (``mtp_hooks.chain``); ``None``: the model's N
             MTP layers. Step j <= N is layer j, steps past N reuse the last layer, as engines
             that draft k > N tokens do; every step's loss (the chosen ``objective``) targets the
@@ -101,7 +113,7 @@ def attach(
             MTP layer on the output layer's pipeline stage.
         draft_inputs: what feeds steps 2..k: ``"labels"`` (teacher forcing: the data's token,
             as mcore trains), ``"argmax"`` or ``"sample"`` (the previous step's own draft: its
-            argmax, or a sample at ``draft_temperature``, as a speculative decoder feeds it),
+            argmax, or a sample at ``draft_temperature`` (its argmax at 0), as a speculative decoder feeds it),
             always with the previous step's output hidden state. The draft token is detached.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's

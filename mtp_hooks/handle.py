@@ -115,7 +115,7 @@ class MTPHooks:
         last reset (a forward that raised counts for nothing). A depth that counted no token has
         ``mtp_k/tokens == 0`` and no ratios. Where acceptance is measured (``agreement_metrics``
         or a draft objective) also ``mtp_k/agree``, ``mtp_k/accept`` (expected acceptance
-        ``sum_v min(p_T, q_T)``) and ``mtp/accept_len``: the expected number of accepted draft
+        under ``accept_rule``: ``p_T(argmax q)`` by default) and ``mtp/accept_len``: the expected number of accepted draft
         tokens of the chained depths, ``sum_k mean_t prod_{j<=k} alpha_j(t)`` with the product
         taken per position (``metrics.MTPMetrics`` says why), each mean over the positions where
         depths 1..k all have a target; absent while there is no position with every depth's

@@ -32,7 +32,8 @@ class MTPMetrics:
     ``E[prod] != prod E`` and the product of the means would misstate the length (by how much
     depends on the correlation). The depths' tokens sit at the same positions in one loss call,
     so each term averages over the positions where depths 1..k all have a target, over the
-    micro-batches since the last reset. The acceptances are teacher-forced (each depth reads the
+    micro-batches since the last reset. ``alpha`` is the acceptance under the options'
+    ``accept_rule`` (``ops.draft_rule``), as the lean kernel reports it. The acceptances are teacher-forced (each depth reads the
     data's tokens, not its own drafts), as are ``mtp_k/accept``.
     """
 

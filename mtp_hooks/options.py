@@ -7,7 +7,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
-from mtp_hooks.ops.objectives import OBJECTIVES, Objective, check_temperature
+from mtp_hooks.ops.draft_rule import AcceptRule, DraftRule, Objective
 
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
@@ -37,8 +37,10 @@ class Options:
     chunk_size: Optional[int] = None
     objective: Objective = "ce"
     agreement_metrics: bool = False
-    # The speculative sampler's temperature: the draft objectives and the acceptance at softmax(logits / T).
+    # The speculative sampler's temperature (0: greedy): the draft objectives and the acceptance at softmax(logits / T).
     draft_temperature: float = 1.0
+    # How the rollout engine verifies a draft token (``ops.draft_rule``): what acceptance is measured and trained.
+    accept_rule: AcceptRule = "argmax"
     # The draft chain (``chain``): steps trained (None: the model's N layers) and what feeds steps 2..k.
     draft_steps: Optional[int] = None
     draft_inputs: DraftInputs = "labels"
@@ -68,8 +70,8 @@ class Options:
             isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
         ):
             raise bad_argument("chunk_size", "None or an int >= 1", describe(self.chunk_size))
-        if self.objective not in OBJECTIVES:
-            raise bad_argument("objective", f"one of {OBJECTIVES}", describe(self.objective))
+        rule = DraftRule(self.objective, self.draft_temperature, self.accept_rule)  # refuses what T = 0 leaves undefined
+        object.__setattr__(self, "draft_temperature", rule.draft_temperature)
         for name in ("agreement_metrics", "entropy"):
             _require_bool(name, getattr(self, name))
         if self.loss_impl == "dense" and (self.objective != "ce" or self.agreement_metrics):
@@ -78,13 +80,18 @@ class Options:
                 "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' / 'accept' and for agreement_metrics (dense keeps stock's CE)",
                 "'dense'",
             )
-        object.__setattr__(self, "draft_temperature", check_temperature("draft_temperature", self.draft_temperature))
         if self.draft_temperature != 1.0 and not (self.compares_with_main_head or self.draft_inputs == "sample"):
             raise bad_argument(
                 "draft_temperature",
                 "1.0 unless objective is 'distill', 'tv' or 'accept', agreement_metrics=True or draft_inputs='sample' "
                 "('ce' trains on the labels, untempered)",
                 describe(self.draft_temperature),
+            )
+        if self.accept_rule != "argmax" and not self.compares_with_main_head:
+            raise bad_argument(
+                "accept_rule",
+                "'argmax' unless objective is 'distill', 'tv' or 'accept' or agreement_metrics=True (nothing else measures acceptance)",
+                describe(self.accept_rule),
             )
         if self.draft_steps is not None and (isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int) or self.draft_steps < 1):
             raise bad_argument("draft_steps", "None or an int >= 1 (at least the model's MTP layers)", describe(self.draft_steps))
@@ -110,6 +117,11 @@ class Options:
     def compares_with_main_head(self) -> bool:
         """Whether each depth is scored against the main head (agreement metrics, draft objectives)."""
         return self.agreement_metrics or self.objective != "ce"
+
+    @property
+    def draft_rule(self) -> DraftRule:
+        """The objective at ``draft_temperature`` under ``accept_rule``, as the lean kernel takes them."""
+        return DraftRule(self.objective, self.draft_temperature, self.accept_rule)
 
     @property
     def feeds_drafts(self) -> bool:

@@ -23,7 +23,7 @@ from mtp_hooks.checks import check_loss_scale
 from mtp_hooks.features import deferral, detach
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import DepthSums, chain_sums
-from mtp_hooks.ops.lean_loss import lean_mtp_loss
+from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
 from mtp_hooks.ops.weight_grad import choose_weight_grad
 from mtp_hooks.options import Options
@@ -193,21 +193,18 @@ def _lean_loss(
     masks = torch.stack([mask_k.t().reshape(-1) for _labels_k, mask_k in targets])  # [N, T]
     # Each depth's tokens weighted by its own coefficient (a tensor, or a plain number: no host-to-device copy).
     token_weight = torch.stack([mask * coef for mask, coef in zip(masks, coefs)])
-    path = options.loss_impl
+    path: str = options.loss_impl
     if path == "lean":
         path = choose_weight_grad(hidden.shape[-1], depth * per_depth)
+    spec = KernelSpec(head.tp_group, head.chunk(per_depth), path, head.main_grad_protocol)
     out = lean_mtp_loss(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         torch.cat([labels_k.t().reshape(-1) for labels_k, _mask_k in targets]),
         token_weight.reshape(-1),
-        head.tp_group,
-        head.chunk(per_depth),
-        options.objective,
+        spec,
+        options.draft_rule,
         None if teachers is None else torch.cat([t.reshape(-1, t.shape[-1]) for t in teachers]),
-        weight_grad=path,
-        main_grad_protocol=head.main_grad_protocol,
-        temperature=options.draft_temperature,
     )
 
     def masked_sums(per_token: Tensor) -> Tensor:

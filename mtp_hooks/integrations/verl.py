@@ -18,14 +18,17 @@ gradients with ``mtp_hooks.attach`` on every chunk, per installed megatron-core 
 * Target rolls and the embedding path use ``packed_seq_params.cp_group`` when present (the
   hooks do so for every user).
 
-``draft_acceptance_metrics`` puts the trainer's expected draft acceptance beside the rollout
-engine's measured one (verl's ``rollout/spec_accept_*``) and their gap.
+``engine_draft_options`` reads from verl's rollout config how its engine verifies a draft token and
+at which temperature (``accept_rule``, ``draft_temperature``), so the hooks measure and train what
+the engine accepts; ``draft_acceptance_metrics`` puts the trainer's expected draft acceptance beside
+the engine's measured one (verl's ``rollout/spec_accept_*``) and their gap.
 
 verl itself is not imported here.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Optional, Union
 
 from torch import nn
@@ -43,7 +46,17 @@ NORMALIZATION_FACTOR_ATTR = "_verl_mtp_loss_normalization_factor"
 ENGINE_ACCEPT_RATE = "rollout/spec_accept_rate"
 ENGINE_ACCEPT_LENGTH = "rollout/spec_accept_length"
 
-__all__ = ["ENGINE_ACCEPT_LENGTH", "ENGINE_ACCEPT_RATE", "NORMALIZATION_FACTOR_ATTR", "attach_engine_mtp", "draft_acceptance_metrics", "verl_options"]
+# How verl 0.9.1's rollout engines verify an MTP draft token by default (``ops.draft_rule``): vLLM
+# drafts the head's argmax and accepts it with probability p_T(draft); SGLang does the same with
+# ``speculative_eagle_topk = 1``.
+ENGINE_ACCEPT_RULES = {"vllm": "argmax", "sglang": "argmax"}
+# Keys of vLLM's ``speculative_config`` that change its verification (sampled drafts, other samplers).
+VLLM_RULE_KEYS = ("rejection_sample_method", "draft_sample_method")
+
+__all__ = [
+    "ENGINE_ACCEPT_LENGTH", "ENGINE_ACCEPT_RATE", "ENGINE_ACCEPT_RULES", "NORMALIZATION_FACTOR_ATTR", "attach_engine_mtp",
+    "draft_acceptance_metrics", "engine_draft_options", "verl_options",
+]
 
 
 def verl_options(model_config: Any, config: Any) -> dict[str, Any]:
@@ -102,14 +115,57 @@ def attach_engine_mtp(module: Any, model_config: Any, **overrides: Any) -> list[
     return attached
 
 
-def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engine: Mapping[str, Any], *, draft_tokens: int) -> dict[str, float]:
+def engine_draft_options(rollout: Any) -> dict[str, Any]:
+    """``accept_rule`` and ``draft_temperature`` of verl 0.9.1's rollout engine, as ``attach`` takes them.
+
+    ``rollout``: verl's rollout config, ``config.actor_rollout_ref.rollout`` (a ``RolloutConfig`` or
+    its OmegaConf node). The rule is the engine's default (``ENGINE_ACCEPT_RULES``, by
+    ``rollout.name``); the temperature ``rollout.temperature`` (0: greedy). Refused
+    (``MTPHooksError`` naming ``rollout``): another engine, SGLang with ``speculative_eagle_topk``
+    > 1 (tree drafts), and vLLM with a ``speculative_config`` in ``rollout.engine_kwargs.vllm`` that
+    sets ``rejection_sample_method`` or ``draft_sample_method``: their verification is not one that
+    ``accept_rule`` names. Pass the result to ``attach_engine_mtp`` (with ``agreement_metrics=True``
+    or a draft objective) so the hooks measure what the engine accepts.
+    """
+    name = getattr(rollout, "name", None)
+    temperature = getattr(rollout, "temperature", None)
+    if name not in ENGINE_ACCEPT_RULES:
+        raise bad_argument("rollout", f"verl's rollout config with name in {sorted(ENGINE_ACCEPT_RULES)} (the engines whose rule is known)", describe(name))
+    top_k = getattr(getattr(rollout, "mtp", None), "speculative_eagle_topk", 1)
+    if name == "sglang" and top_k != 1:
+        raise bad_argument("rollout", "mtp.speculative_eagle_topk = 1 (SGLang's chain of argmax drafts)", describe(top_k))
+    speculative = ((getattr(rollout, "engine_kwargs", None) or {}).get("vllm") or {}).get("speculative_config") or {}
+    speculative = json.loads(speculative) if isinstance(speculative, str) else speculative  # verl takes either
+    changed = sorted(key for key in VLLM_RULE_KEYS if isinstance(speculative, Mapping) and speculative.get(key) is not None)
+    if name == "vllm" and changed:
+        raise bad_argument("rollout", f"vLLM's default verification (engine_kwargs.vllm.speculative_config without {' or '.join(VLLM_RULE_KEYS)})", changed)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise bad_argument("rollout", "a rollout temperature >= 0", describe(temperature))
+    return {"accept_rule": ENGINE_ACCEPT_RULES[name], "draft_temperature": float(temperature)}
+
+
+def rollout_draft_tokens(rollout: Any) -> int:
+    """The draft tokens verl's engine proposes per verification step: vLLM's ``mtp.num_speculative_tokens``,
+    SGLang's ``mtp.speculative_num_steps``."""
+    field = "num_speculative_tokens" if getattr(rollout, "name", None) == "vllm" else "speculative_num_steps"
+    drafts = getattr(getattr(rollout, "mtp", None), field, None)
+    if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
+        raise bad_argument("rollout", f"verl's rollout config with mtp.{field} >= 1", describe(drafts))
+    return drafts
+
+
+def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engine: Mapping[str, Any], *, rollout: Any) -> dict[str, float]:
     """The trainer's expected draft acceptance beside the rollout engine's measured one, for one step.
 
     ``trainer``: ``MTPHooks`` (read with ``metrics(reset=False)``) or a dict they returned, with
-    acceptance measured (``agreement_metrics=True`` or a draft objective, at ``draft_temperature``
-    = the rollout's temperature). ``engine``: verl's step metrics; ``draft_tokens``: the draft tokens
-    the engine proposes per verification step (verl's ``mtp.num_speculative_tokens``), 1 or the
-    trainer's depth N.
+    acceptance measured (``agreement_metrics=True`` or a draft objective). ``engine``: verl's step
+    metrics. ``rollout``: verl's rollout config (``config.actor_rollout_ref.rollout``), which says how
+    the engine verifies and at which temperature (``engine_draft_options``) and how many draft
+    tokens it proposes per verification step (``rollout_draft_tokens``: 1 or the trainer's depth N).
+    Hooks whose ``accept_rule`` or ``draft_temperature`` differ from the engine's are refused
+    (``MTPHooksError`` naming ``trainer``): their acceptance is another quantity, and the gap would
+    read as a stale draft. A dict of metrics cannot say under which rule it was measured: the
+    caller vouches for it (attach with ``**engine_draft_options(rollout)``).
 
     verl 0.9.1 (``compute_spec_decode_metrics``) takes per request the engine's drafted tokens d,
     accepted draft tokens a and verification steps v and logs the unweighted means over requests of
@@ -125,12 +181,20 @@ def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engi
     token; depth k >= 2 of a chain reads its own drafts in the engine, the data's in the trainer).
     Without the engine's figures (speculative rollout off) only the trainer's are returned.
     """
-    metrics = trainer.metrics(reset=False) if isinstance(trainer, MTPHooks) else trainer
+    expected = engine_draft_options(rollout)
+    draft_tokens = rollout_draft_tokens(rollout)
+    if isinstance(trainer, MTPHooks):
+        measured = {"accept_rule": trainer.options.accept_rule, "draft_temperature": trainer.options.draft_temperature}
+        if measured != expected:
+            raise bad_argument("trainer", f"hooks measuring the {rollout.name} rollout's acceptance: {expected}", measured)
+        metrics: Any = trainer.metrics(reset=False)
+    else:
+        metrics = trainer
     if not isinstance(metrics, Mapping):
         raise bad_argument("trainer", "MTPHooks or the dict of their metrics()", describe(trainer))
     depth = sum(1 for key in metrics if key.startswith("mtp_") and key.endswith("/tokens"))
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens not in {1, depth}:
-        raise bad_argument("draft_tokens", f"1 or the trainer's MTP depth {depth} (the drafts per verification step)", describe(draft_tokens))
+    if draft_tokens not in {1, depth}:
+        raise bad_argument("rollout", f"1 or the trainer's MTP depth {depth} draft tokens per verification step", draft_tokens)
     key = "mtp_1/accept" if draft_tokens == 1 else "mtp/accept_len"
     if key not in metrics:
         raise bad_argument("trainer", f"metrics with {key!r} (attach with agreement_metrics=True or a draft objective; a step with targets)", sorted(metrics))

@@ -25,8 +25,8 @@ def gumbel_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
 def draft_tokens(hidden: Tensor, weight: Tensor, tp_group: ProcessGroup, chunk: int, temperature: Optional[float]) -> Tensor:
     """Each row's draft token under the head ``weight`` ``[V/tp, h]``: ``hidden`` ``[n, h]`` -> ``[n]`` ids.
 
-    ``temperature=None``: the first argmax of the logits over the full vocabulary (ties to the
-    lowest id, as ``torch.argmax`` of the gathered logits). A float ``T``: a sample from
+    ``temperature=None`` or 0 (greedy): the first argmax of the logits over the full vocabulary
+    (ties to the lowest id, as ``torch.argmax`` of the gathered logits). A float ``T > 0``: a sample from
     ``softmax(logits / T)`` by the Gumbel-max trick, ``argmax(logits / T + g)``. Under tensor
     parallelism every rank draws the noise of the whole vocabulary from the default generator,
     which Megatron keeps equal across the group, and adds its own shard's columns, so the sample
@@ -37,7 +37,7 @@ def draft_tokens(hidden: Tensor, weight: Tensor, tp_group: ProcessGroup, chunk: 
     out = torch.empty(rows, dtype=torch.long, device=hidden.device)
     for start in range(0, rows, chunk):
         logits = (hidden[start : start + chunk] @ weight.t()).float()
-        if temperature is not None:
+        if temperature:  # None or 0: the argmax
             noise = gumbel_noise(logits.shape[0], shard * size, logits.device)
             logits = logits / temperature + noise[:, rank * shard : (rank + 1) * shard]
         values, index = logits.max(dim=-1)

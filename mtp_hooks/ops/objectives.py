@@ -1,51 +1,38 @@
 """The draft objectives of the lean MTP loss, one chunk of tokens at a time: statistics and logit gradients.
 
-The MTP heads are the rollout engine's speculative draft. For a draft token at temperature ``T``
-the engine samples ``x ~ q_T = softmax(z_mtp / T)`` and accepts it with probability
-``min(1, p_T(x) / q_T(x))``, ``p_T = softmax(z_main / T)`` being the main head (the target) at the
-position that predicts the same token; the expected acceptance is ``alpha = sum_v min(p_T, q_T)``.
-Both distributions are tempered because the engine tempers both: it verifies against the
-rollout's sampling distribution and draws the draft token at the same ``T`` (a draft trained
-against ``p_T`` but scored untempered would be trained for a sampler no engine runs). Per token:
+What each (objective, temperature, acceptance rule) trains is ``draft_rule``'s (``DraftRule.kind``);
+this module holds their per-chunk math. ``z`` are the draft's untempered logits, ``q`` its softmax
+at the temperature ``tau`` the loss takes (``DraftRule.q_temperature``: ``T``, or 1 for the CE kinds
+and the argmax rule's surrogate), ``p = p_T`` the target's (``dq_u / dz_v = q_u (delta_uv - q_v) / tau``).
+Per token, loss and gradient in ``z``:
 
-* ``"ce"``: cross-entropy on the labels, untempered (the labels are data, not a distribution);
-  ``T`` then only changes the acceptance reported (``alpha``; argmax agreement is the same at any T).
-* ``"distill"``: ``-sum_v p_T log q_T`` (the KL to ``p_T`` up to its entropy); logit gradient
-  ``(q_T - p_T) / T``.
-* ``"tv"``: ``0.5 sum_v |q_T - p_T| = 1 - alpha``: maximises the mean acceptance. Its gradient
-  is bounded by ``2 alpha / T`` (l1 over the vocabulary), so it fades on the tokens the draft
-  misses most.
-* ``"accept"``: ``-log alpha``, the log-probability that the draft token is accepted. Per token
-  it has tv's optimum, and its gradient is tv's divided by ``alpha`` (l1 norm at most ``2 / T``),
-  so tokens with low acceptance keep pulling; summed over depths at one position it is
-  ``-log prod_k alpha_k``, the log of the chained acceptance the expected accepted length is
-  made of (``metrics.MTPMetrics``). ``alpha`` is clamped at the dtype's smallest normal
-  (a loss of at most 87 in fp32, never ``inf``).
+* ``"ce"`` / ``"target_argmax_ce"``: ``-log q_1(y)`` for the label ``y`` (or the target's first
+  argmax), ``q_1 - onehot(y)``;
+* ``"distill"``: ``-sum_v p log q_T`` (the KL to ``p`` up to its entropy), ``(q_T - p) / T``;
+* ``"tv"``: ``0.5 sum_v |q_T - p| = 1 - sum_v min(p, q_T)``, ``0.5 q (sign(q - p) - sum_u sign(q_u - p_u) q_u) / T``;
+  bounded by ``2 alpha / T`` in l1, so it fades on the tokens the draft misses most;
+* ``"min_overlap"``: ``-log alpha``, ``alpha = sum_v min(p, q_T)``; with ``m_v = d min(p_v, q_v) / d q_v``
+  (1 where ``q < p``, 0 where ``q > p``, 1/2 at a tie): ``-q (m - sum_u m_u q_u) / (T alpha)``: tv's
+  gradient divided by ``alpha``, so tokens with low acceptance keep pulling;
+* ``"product_overlap"``: ``-log s``, ``s = sum_v p q``: ``q (1 - p / s) / tau``, i.e. ``q`` minus the
+  posterior ``p q / s`` of the token both draw (no cancellation when ``s`` is small).
 
-Every vocabulary sum is all-reduced over ``tp_group``; the functions take and return per-chunk
-tensors and know nothing about chunking, hooks or models (``lean_loss`` runs the chunk loop).
+``alpha`` and ``s`` are clamped at the dtype's smallest normal (a loss of at most 87 in fp32, never
+``inf``). Summed over depths at one position ``-log alpha`` is ``-log prod_k alpha_k``, the chained
+acceptance the expected accepted length is made of (``metrics.MTPMetrics``). Every vocabulary sum
+is all-reduced over ``group``; the functions take and return per-chunk tensors and know nothing
+about chunking, hooks or models (``lean_loss`` runs the chunk loop, ``chunk_stats`` the softmaxes).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal, NamedTuple, Optional, get_args
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from mtp_hooks.errors import bad_argument, describe
+from mtp_hooks.ops.draft_rule import DraftRule
 from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce
-
-Objective = Literal["ce", "distill", "tv", "accept"]
-OBJECTIVES: tuple[str, ...] = get_args(Objective)
-
-
-def check_temperature(name: str, value: Any) -> float:
-    """``value`` as a float if it is a finite real > 0, else an ``MTPHooksError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise bad_argument(name, "a finite float > 0", describe(value))
-    return float(value)
 
 
 def tempered_exp_(shifted: Tensor, temperature: float, keep: bool = False) -> Tensor:
@@ -56,12 +43,25 @@ def tempered_exp_(shifted: Tensor, temperature: float, keep: bool = False) -> Te
     return shifted.exp() if keep else shifted.exp_()
 
 
+class Softmaxes(NamedTuple):
+    """A chunk's local softmax columns against the target, as ``draft_statistics`` reads them."""
+
+    p: Tensor  # the target's at T
+    q: Optional[Tensor]  # the draft's at T (``DraftRule.tempered_draft``; the untempered one at T = 1)
+    q_untempered: Optional[Tensor]  # the draft's at 1, for the argmax rule's surrogate
+    draft_index: Tensor  # the draft's first argmax as an index into this shard ...
+    draft_in_shard: Tensor  # ... and whether it falls in it
+    log_q_shifted: Optional[Tensor] = None  # "distill": the draft's tempered logits minus their maximum ...
+    log_sum: Optional[Tensor] = None  # ... and the log of their exponentials' sum (log q_T = shifted - log_sum)
+
+
 class DraftStats(NamedTuple):
     """Per-token statistics of a chunk against the target, over the full vocabulary."""
 
-    accept: Tensor  # alpha = sum_v min(p, q)
+    accept: Tensor  # alpha under the rule
     loss: Optional[Tensor]  # the objective per token; None for "ce" (its loss is the CE on the labels)
-    aux: Optional[Tensor]  # what the gradient needs: "tv" sum_v sign(q - p) q, "accept" sum_v m_v q (``_accepted_share``)
+    aux: Optional[Tensor]  # what the gradient needs: "tv" sum_v sign(q - p) q, "min_overlap" sum_v m_v q
+    overlap: Optional[Tensor]  # the sum under the -log: alpha ("min_overlap") or s ("product_overlap")
 
 
 def _accepted_share(q: Tensor, p: Tensor) -> Tensor:
@@ -69,81 +69,112 @@ def _accepted_share(q: Tensor, p: Tensor) -> Tensor:
     return torch.sub(p, q).sign_().add_(1.0).mul_(0.5)
 
 
-def draft_statistics(objective: str, q: Tensor, p: Tensor, shifted: Tensor, log_sum: Tensor, group: ProcessGroup) -> DraftStats:
-    """Acceptance and objective of a chunk: ``q`` and ``p`` are the local columns of the draft's and the
-    target's (tempered) softmax, ``shifted`` (``"distill"`` only) the draft's tempered logits minus
-    their maximum and ``log_sum`` the log of their exponentials' sum (``log q = shifted - log_sum``)."""
-    extra = [torch.minimum(p, q).sum(dim=-1)]
-    if objective == "distill":
-        extra.append((p * shifted).sum(dim=-1))
-    elif objective == "tv":
-        sign = torch.sign(q - p)
-        extra += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
-        del sign
-    elif objective == "accept":
-        extra.append(_accepted_share(q, p).mul_(q).sum(dim=-1))
-    extra = all_reduce(torch.stack(extra), group)
-    alpha = extra[0]
-    if objective == "distill":  # cross-entropy against p: log sum exp - sum p z
-        return DraftStats(alpha, log_sum - extra[1], None)
-    if objective == "tv":  # 0.5 * sum |q - p|
-        return DraftStats(alpha, 0.5 * extra[2], extra[1])
-    if objective == "accept":
-        return DraftStats(alpha, -_clamped(alpha).log(), extra[1])
-    return DraftStats(alpha, None, None)
-
-
 def _clamped(alpha: Tensor) -> Tensor:
     return alpha.clamp(min=torch.finfo(alpha.dtype).tiny)
 
 
-def logit_grad(
-    objective: str,
-    q: Tensor,
-    p: Optional[Tensor],
-    aux: Optional[Tensor],
-    local: Tensor,
-    in_shard: Tensor,
-    token_weight: Optional[Tensor],
-    first: int = 0,
-    q_scale: Optional[Tensor] = None,
-    alpha: Optional[Tensor] = None,
-    temperature: float = 1.0,
-) -> Tensor:
-    """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``q``.
+def draft_statistics(rule: DraftRule, chunk: Softmaxes, group: ProcessGroup) -> DraftStats:
+    """Acceptance under ``rule.accept_rule`` and the objective of a chunk (``T > 0``), in one all-reduce."""
+    p, q = chunk.p, chunk.q
+    columns: list[Tensor] = []
+    if rule.accept_rule == "argmax":  # p_T at the draft's first argmax, on the shard holding it
+        columns.append(p.gather(-1, chunk.draft_index.unsqueeze(-1)).squeeze(-1) * chunk.draft_in_shard)
+    elif q is None:
+        raise AssertionError(f"accept_rule {rule.accept_rule!r} needs the draft's tempered softmax")
+    elif rule.accept_rule == "sampled":
+        columns.append(torch.minimum(p, q).sum(dim=-1))
+    else:
+        columns.append((p * q).sum(dim=-1))
+    kind = rule.kind
+    if kind == "distill":
+        if chunk.log_q_shifted is None or chunk.log_sum is None:
+            raise AssertionError("objective 'distill' needs the draft's tempered log-softmax")
+        columns.append((p * chunk.log_q_shifted).sum(dim=-1))
+    elif kind in ("tv", "min_overlap"):
+        if q is None:
+            raise AssertionError(f"{kind} needs the draft's tempered softmax")
+        if kind == "tv":
+            sign = torch.sign(q - p)
+            columns += [(sign * q).sum(dim=-1), (sign * (q - p)).sum(dim=-1)]
+            del sign
+        else:
+            columns.append(_accepted_share(q, p).mul_(q).sum(dim=-1))  # alpha is the acceptance (column 0)
+    elif kind == "product_overlap" and rule.accept_rule == "argmax":
+        if chunk.q_untempered is None:
+            raise AssertionError("the argmax rule's surrogate needs the draft's untempered softmax")
+        columns.append((p * chunk.q_untempered).sum(dim=-1))
+    sums = all_reduce(torch.stack(columns), group)
+    alpha = sums[0]
+    if kind == "distill":  # cross-entropy against p: log sum exp - sum p z
+        assert chunk.log_sum is not None
+        return DraftStats(alpha, chunk.log_sum - sums[1], None, None)
+    if kind == "tv":  # 0.5 * sum |q - p|
+        return DraftStats(alpha, 0.5 * sums[2], sums[1], None)
+    if kind == "min_overlap":
+        return DraftStats(alpha, -_clamped(alpha).log(), sums[1], alpha)
+    if kind == "product_overlap":
+        overlap = alpha if rule.accept_rule == "match" else sums[1]
+        return DraftStats(alpha, -_clamped(overlap).log(), None, overlap)
+    return DraftStats(alpha, None, None, None)
 
-    ``q``: the MTP head's softmax on those columns (tempered but for ``"ce"``), or for ``"ce"`` its
-    exponentials with ``q_scale`` (per token, ``1 / sum exp``) the factor that normalises them,
+
+class GradInputs(NamedTuple):
+    """What one chunk's (or vocabulary slice's) logit gradient is made of.
+
+    ``q``: the draft's softmax on those columns at ``DraftRule.q_temperature`` or, for the CE kinds,
+    its exponentials with ``q_scale`` (per token, ``1 / sum exp``) the factor that normalises them,
     folded into the one multiply by the token weights; ``p``: the target's tempered softmax;
-    ``aux``: ``DraftStats.aux``; ``alpha``: per-token acceptance (``"accept"``); ``token_weight``
-    ``None``: every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``). The logits are
-    the untempered ones: a tempered objective's gradient carries ``1 / temperature``.
+    ``local`` / ``in_shard``: the CE kinds' target (the label, or the target's argmax) as an index
+    into this shard; ``aux`` / ``overlap``: ``DraftStats``'.
     """
-    if objective == "ce":  # softmax - onehot
+
+    q: Tensor
+    p: Optional[Tensor]
+    local: Tensor
+    in_shard: Tensor
+    aux: Optional[Tensor] = None
+    overlap: Optional[Tensor] = None
+    q_scale: Optional[Tensor] = None
+
+
+def logit_grad(rule: DraftRule, inputs: GradInputs, token_weight: Optional[Tensor], first: int = 0) -> Tensor:
+    """d(sum token_weight * loss)/d logits for vocabulary columns ``first ..``; written over ``inputs.q``.
+
+    ``token_weight`` ``None``: every token weighs 1 (the unit-scale gradient of ``LeanMTPLoss``).
+    The logits are the untempered ones: a tempered loss's gradient carries ``1 / q_temperature``.
+    """
+    q, p, kind = inputs.q, inputs.p, rule.kind
+    if kind in ("ce", "target_argmax_ce"):  # softmax - onehot
+        q_scale = inputs.q_scale
         factor = token_weight if q_scale is None else q_scale if token_weight is None else q_scale * token_weight
         grad = q if factor is None else q.mul_(factor.unsqueeze(-1))
         columns = grad.shape[-1]
-        index = local - first
-        inside = in_shard & (index >= 0) & (index < columns)
+        index = inputs.local - first
+        inside = inputs.in_shard & (index >= 0) & (index < columns)
         step = inside.to(grad.dtype) if token_weight is None else token_weight * inside
         return grad.scatter_add_(-1, index.clamp(0, columns - 1).unsqueeze(-1), step.neg_().unsqueeze(-1))
-    if p is None or q_scale is not None:
-        raise AssertionError(f"objective {objective!r} takes the normalised softmax and the target's")
+    if p is None or inputs.q_scale is not None:
+        raise AssertionError(f"{kind} takes the normalised softmax and the target's")
     rows: Optional[Tensor] = token_weight
-    if objective == "distill":  # q - p
+    if kind == "distill":  # q - p
         grad = q.sub_(p)
-    elif objective == "tv":  # 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
-        if aux is None:
-            raise AssertionError("objective 'tv' needs sum_v sign(q - p) q")
-        grad = torch.sign(q - p).sub_(aux.unsqueeze(-1)).mul_(q).mul_(0.5)
-    elif objective == "accept":  # -q * (m - sum_v m q) / alpha: no cancellation when alpha is small
-        if aux is None or alpha is None:
-            raise AssertionError("objective 'accept' needs sum_v m q and alpha")
-        grad = q.mul_(_accepted_share(q, p).sub_(aux.unsqueeze(-1)))
-        inverse = _clamped(alpha).reciprocal().neg_()
+    elif kind == "tv":  # 0.5 * q * (sign(q - p) - sum_v sign(q - p) q)
+        if inputs.aux is None:
+            raise AssertionError("tv needs sum_v sign(q - p) q")
+        grad = torch.sign(q - p).sub_(inputs.aux.unsqueeze(-1)).mul_(q).mul_(0.5)
+    elif kind == "min_overlap":  # -q * (m - sum_v m q) / alpha
+        if inputs.aux is None or inputs.overlap is None:
+            raise AssertionError("min_overlap needs sum_v m q and alpha")
+        grad = q.mul_(_accepted_share(q, p).sub_(inputs.aux.unsqueeze(-1)))
+        inverse = _clamped(inputs.overlap).reciprocal().neg_()
         rows = inverse if rows is None else inverse.mul_(rows)
+    elif kind == "product_overlap":  # q * (1 - p / s)
+        if inputs.overlap is None:
+            raise AssertionError("product_overlap needs s = sum_v p q")
+        grad = q.mul_(torch.div(p, _clamped(inputs.overlap).unsqueeze(-1)).neg_().add_(1.0))
     else:
-        raise AssertionError(f"unknown objective {objective!r}")
+        raise AssertionError(f"unknown loss kind {kind!r}")
+    temperature = rule.q_temperature
     if temperature != 1.0:
         return grad.mul_(1.0 / temperature) if rows is None else grad.mul_((rows / temperature).unsqueeze(-1))
     return grad if rows is None else grad.mul_(rows.unsqueeze(-1))

@@ -3,20 +3,22 @@
 Reference: the same full weights at TP = 1. Twin builds with mcore's CPU initialisation draw the
 full weight matrices from the seed and give each TP rank its slices, so a TP=2 model gathered
 along each parameter's ``partition_dim`` is the TP=1 model (checked exactly first). Each case
-(``"ce"`` + agreement metrics, ``"distill"``, ``"tv"``, and ``output="logprobs"`` with entropy,
-temperature and agreement) runs one training micro-batch at TP=1, then at TP=2 (with and without
+(``"ce"`` + agreement metrics, ``"distill"``, ``"tv"``, ``"accept"`` under each acceptance rule and
+at T = 0, and ``output="logprobs"`` with entropy, temperature and agreement) runs one training micro-batch at TP=1, then at TP=2 (with and without
 sequence parallelism); MTP metrics (CE, accuracy, agreement, acceptance), returned log-probs and
 entropies (and an inference micro-batch's), and every parameter's gradient gathered over the TP
 group (summed over it for sequence-parallel norms) must equal the TP=1 result.
 
-Function level, the vocabulary-parallel reductions of ``lean_mtp_loss`` and ``lean_logprobs``
-(argmax ties across shards included) against dense full-vocabulary references; and with CP=2,
+Function level, the vocabulary-parallel reductions of ``lean_mtp_loss`` (every objective, rule and
+temperature, T = 0 included) and ``lean_logprobs`` (argmax ties across shards included) against
+dense full-vocabulary references; and with CP=2,
 agreement sums and (per-token loss, mcore <= 0.16.1) summed gradients of ``"distill"`` against the
 whole sequence at CP=1, which needs teachers exchanged across CP ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -36,6 +38,9 @@ CASES: dict[str, dict[str, Any]] = {
     "distill": dict(objective="distill"),
     "tv": dict(objective="tv", chunk_size=5),
     "accept_hot": dict(objective="accept", draft_temperature=1.7, chunk_size=5),
+    "accept_greedy": dict(objective="accept", draft_temperature=0.0, chunk_size=5),
+    "accept_match": dict(objective="accept", accept_rule="match", draft_temperature=1.3),
+    "accept_sampled": dict(objective="accept", accept_rule="sampled", draft_temperature=0.7, chunk_size=5),
     "agreement_cold": dict(agreement_metrics=True, draft_temperature=0.6),
     "logprobs": dict(output="logprobs", entropy=True, temperature=0.8, agreement_metrics=True, chunk_size=6),
 }
@@ -142,9 +147,10 @@ def scenario_vocab_parallel_functions() -> None:
     from megatron.core import parallel_state
 
     from mtp_hooks.ops.logprobs import lean_logprobs
-    from mtp_hooks.ops.lean_loss import lean_mtp_loss
-    from mtp_hooks.ops.objectives import OBJECTIVES
+    from mtp_hooks.ops.draft_rule import ACCEPT_RULES, OBJECTIVES, DraftRule
+    from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
     from mtp_hooks.ops.vocab_parallel import argmax_matches
+    from tests.support.draft_references import acceptance, per_token_objective
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = dist.get_rank(group)
@@ -170,54 +176,50 @@ def scenario_vocab_parallel_functions() -> None:
         dist.all_reduce(grad, group=group)
         return grad
 
-    for objective in OBJECTIVES:
-        for temperature in (0.6, 1.0, 1.7):
-            for dtype in (torch.float64, torch.float32, torch.bfloat16):
-                # fp64 tightly; fp32 and bf16 leaves against the float64 reference on their rounded values
-                # (bf16: logits as the bf16 GEMM gives them, gradients float64's), at their precision.
-                tol = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-6, 1e-4), torch.bfloat16: (3e-3, 2e-2)}[dtype]
-                h, w = (t.detach().to(dtype).requires_grad_(True) for t in shard_leaves())
-                out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), group, 5, objective, teacher.to(dtype), temperature=temperature)
-                out.objective.backward()
-                full_weight = weight.to(dtype).double()
-                ref_h, ref_w = hidden.to(dtype).double().clone().requires_grad_(True), full_weight.clone().requires_grad_(True)
-                logits, teacher_logits = ref_h @ ref_w.t(), teacher.to(dtype).double() @ full_weight.t()
-                if dtype == torch.bfloat16:
-                    low = (hidden.to(dtype) @ weight.to(dtype).t()).double()
-                    logits = logits + (low - logits).detach()
-                    teacher_logits = (teacher.to(dtype) @ weight.to(dtype).t()).double()
-                log_q, p = (logits / temperature).log_softmax(-1), (teacher_logits / temperature).softmax(-1)
-                ce = -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-                alpha = torch.minimum(p, log_q.exp()).sum(-1)
-                per_token = {
-                    "ce": ce,
-                    "distill": -(p * log_q).sum(-1),
-                    "tv": 0.5 * (log_q.exp() - p).abs().sum(-1),
-                    "accept": -alpha.log(),
-                }[objective]
-                (per_token * token_weight).sum().backward()
-                where = f"{objective} T={temperature} {dtype}"
-                atol, rtol = tol
-                close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
-                    a.double(), b.detach().double(), atol=atol, rtol=rtol, msg=lambda m: f"{where} {what}: {m}"
-                )
-                close(out.objective.detach(), (per_token * token_weight).sum(), "objective")
-                close(out.ce, ce, "CE")
-                close(out.accept, alpha, "acceptance")
-                close(reduced_hidden_grad(h.grad), ref_h.grad, "hidden grad")
-                close(w.grad, ref_w.grad[rows], "weight grad")
-                if dtype == torch.float64:
-                    agree = logits.argmax(-1) == teacher_logits.argmax(-1)
-                    assert bool(agree[0]), "the tie case should agree on the lowest index"
-                    assert torch.equal(out.agree, agree), where
-                    assert torch.equal(out.correct, logits.argmax(-1) == labels)  # stock 0.19's count: the first argmax
+    for objective, accept_rule, temperature in itertools.product(OBJECTIVES, ACCEPT_RULES, (0.0, 0.6, 1.0, 1.7)):
+        if (objective in ("distill", "tv") or (objective == "accept" and accept_rule != "argmax")) and temperature == 0:
+            continue  # undefined at T = 0 (refused: tests/unit/test_accept_rule.py)
+        rule = DraftRule(objective, temperature, accept_rule)
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
+            # fp64 tightly; fp32 and bf16 leaves against the float64 reference on their rounded values
+            # (bf16: logits as the bf16 GEMM gives them, gradients float64's), at their precision.
+            tol = {torch.float64: (1e-12, 1e-10), torch.float32: (1e-6, 1e-4), torch.bfloat16: (3e-3, 2e-2)}[dtype]
+            h, w = (t.detach().to(dtype).requires_grad_(True) for t in shard_leaves())
+            out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), KernelSpec(group, 5), rule, teacher.to(dtype))
+            out.objective.backward()
+            full_weight = weight.to(dtype).double()
+            ref_h, ref_w = hidden.to(dtype).double().clone().requires_grad_(True), full_weight.clone().requires_grad_(True)
+            logits, teacher_logits = ref_h @ ref_w.t(), teacher.to(dtype).double() @ full_weight.t()
+            if dtype == torch.bfloat16:
+                low = (hidden.to(dtype) @ weight.to(dtype).t()).double()
+                logits = logits + (low - logits).detach()
+                teacher_logits = (teacher.to(dtype) @ weight.to(dtype).t()).double()
+            ce = -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            alpha = acceptance(logits, teacher_logits, temperature, accept_rule)
+            per_token = per_token_objective(objective, logits, teacher_logits, labels, temperature, accept_rule)
+            (per_token * token_weight).sum().backward()
+            where = f"{objective} {accept_rule} T={temperature} {dtype}"
+            atol, rtol = tol
+            close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
+                a.double(), b.detach().double(), atol=atol, rtol=rtol, msg=lambda m: f"{where} {what}: {m}"
+            )
+            close(out.objective.detach(), (per_token * token_weight).sum(), "objective")
+            close(out.ce, ce, "CE")
+            close(out.accept, alpha, "acceptance")
+            close(reduced_hidden_grad(h.grad), ref_h.grad, "hidden grad")
+            close(w.grad, ref_w.grad[rows], "weight grad")
+            if dtype == torch.float64:
+                agree = logits.argmax(-1) == teacher_logits.argmax(-1)
+                assert bool(agree[0]), "the tie case should agree on the lowest index"
+                assert torch.equal(out.agree, agree), where
+                assert torch.equal(out.correct, logits.argmax(-1) == labels)  # stock 0.19's count: the first argmax
 
     # No teacher ("ce" alone: the first-argmax candidates reduced once for all chunks), labels
     # outside the vocabulary included (validate="off"): stock's CE, logsumexp - max, and not correct.
     h, w = shard_leaves()
     outside = labels.clone()
     outside[1], outside[2] = -100, vocab
-    out = lean_mtp_loss(h, w, outside, token_weight, group, 5)
+    out = lean_mtp_loss(h, w, outside, token_weight, KernelSpec(group, 5))
     logits = hidden @ weight.t()
     ce = logits.logsumexp(-1) - logits.gather(-1, outside.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     ce[1:3] = logits.logsumexp(-1)[1:3] - logits.amax(-1)[1:3]
@@ -238,21 +240,23 @@ def scenario_vocab_parallel_functions() -> None:
     torch.testing.assert_close(w.grad, ref_w.grad[rows], atol=1e-12, rtol=1e-10)
 
 
-def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positions: Tensor) -> float:
+def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positions: Tensor, accept_rule: str) -> float:
     """``mtp/accept_len`` of the sequence positions ``positions`` from stock's own logits (CP=1):
-    ``alpha_k(t) = sum_v min(p_T(main, t+k), q_T(depth k, t))``, ``sum_k mean_t prod_{j<=k} alpha_j(t)``
-    over the positions where ``loss_mask[t+j]`` counts for every ``j <= k`` (``t+j`` inside the row)."""
+    ``alpha_k(t)`` the acceptance of depth k's draft at t by the main head at t+k under ``accept_rule``
+    (``test_draft_objectives.acceptance``), ``sum_k mean_t prod_{j<=k} alpha_j(t)`` over the positions
+    where ``loss_mask[t+j]`` counts for every ``j <= k`` (``t+j`` inside the row)."""
+    from tests.support.draft_references import acceptance
+
     with output_layer_calls(model) as calls:
         model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
     depth = model.config.mtp_num_layers
-    main = (calls[-1].double() / temperature).softmax(-1)  # [s, b, V]
+    main = calls[-1].double()  # [s, b, V]
     seq = main.shape[0]
     chain_alpha, chain_mask = torch.ones(seq, main.shape[1], dtype=torch.float64), torch.ones(seq, main.shape[1], dtype=torch.float64)
     length = 0.0
     for k in range(1, depth + 1):
-        q = (calls[k - 1].double() / temperature).softmax(-1)
         alpha, mask = torch.zeros_like(chain_alpha), torch.zeros_like(chain_mask)
-        alpha[: seq - k] = torch.minimum(main[k:], q[: seq - k]).sum(-1)
+        alpha[: seq - k] = acceptance(calls[k - 1].double()[: seq - k], main[k:], temperature, accept_rule)
         mask[: seq - k] = batch.loss_mask.t()[k:].double()
         chain_alpha, chain_mask = chain_alpha * alpha, chain_mask * mask
         picked = chain_mask[positions]
@@ -260,7 +264,9 @@ def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positi
     return length
 
 
-def scenario_context_parallel_distill(gradients: bool, objective: str = "distill", temperature: float = 1.0) -> dict[str, float]:
+def scenario_context_parallel_distill(
+    gradients: bool, objective: str = "distill", temperature: float = 1.0, accept_rule: str = "argmax"
+) -> dict[str, float]:
     """CP=2 against the whole sequence at CP=1, ``calculate_per_token_loss`` (nothing normalised per
     rank): token-weighted agreement, acceptance and CE sums per depth add up over the CP ranks and,
     with ``gradients``, so do the gradients. Each rank's ``mtp/accept_len`` is that of its own
@@ -273,7 +279,7 @@ def scenario_context_parallel_distill(gradients: bool, objective: str = "distill
     full = make_batch(VOCAB, batch=2, seq=16, seed=6)
 
     def step(model: nn.Module, batch: Batch) -> dict[str, float]:
-        hooks = mtp_hooks.attach(model, objective=objective, draft_temperature=temperature)
+        hooks = mtp_hooks.attach(model, objective=objective, draft_temperature=temperature, accept_rule=accept_rule)
         logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
         per_token = model.compute_language_model_loss(batch.labels, logits.transpose(0, 1).clone(memory_format=torch.contiguous_format))
         (per_token * batch.loss_mask).sum().backward()
@@ -283,7 +289,9 @@ def scenario_context_parallel_distill(gradients: bool, objective: str = "distill
     reference_metrics = step(reference, full)
     reference_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
 
-    expected_len = {rank: _stock_accept_len(_build(overrides), full, temperature, context_parallel_positions(16, rank, 2)) for rank in (0, 1)}
+    expected_len = {
+        rank: _stock_accept_len(_build(overrides), full, temperature, context_parallel_positions(16, rank, 2), accept_rule) for rank in (0, 1)
+    }
     init_parallel(context_parallel_size=2)
     cp_group = parallel_state.get_context_parallel_group()
     index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
@@ -356,10 +364,16 @@ def test_vocab_parallel_losses_and_logprobs_equal_dense_references(group: Spawne
     ],
     ids=["metrics", "gradients"],
 )
-@pytest.mark.parametrize(("objective", "temperature"), [("distill", 1.0), ("accept", 1.7), ("tv", 0.6)], ids=["distill", "accept_hot", "tv_cold"])
+@pytest.mark.parametrize(
+    ("objective", "temperature", "accept_rule"),
+    [("distill", 1.0, "argmax"), ("accept", 1.7, "argmax"), ("tv", 0.6, "sampled"), ("accept", 1.3, "match"), ("accept", 0.0, "argmax")],
+    ids=["distill", "accept_hot", "tv_cold_sampled", "accept_match", "accept_greedy"],
+)
 def test_context_parallel_draft_objectives_add_up_to_the_whole_sequence(
-    group: SpawnedGroup, gradients: bool, objective: str, temperature: float
+    group: SpawnedGroup, gradients: bool, objective: str, temperature: float, accept_rule: str
 ) -> None:
-    results = group.run(scenario_context_parallel_distill, {}, gradients=gradients, objective=objective, temperature=temperature)
+    results = group.run(
+        scenario_context_parallel_distill, {}, gradients=gradients, objective=objective, temperature=temperature, accept_rule=accept_rule
+    )
     assert results[0]["mtp_1/tokens"] != results[1]["mtp_1/tokens"]  # each CP rank scores its own half
     assert results[0]["mtp/accept_len"] != pytest.approx(results[1]["mtp/accept_len"], rel=1e-4)

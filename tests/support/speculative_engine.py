@@ -1,11 +1,18 @@
 """A speculative-decoding rollout engine for tests: a stock model's MTP chain drafts, its main head verifies.
 
-What vLLM's MTP speculative decoding does, without a KV cache (full recompute per forward, tiny
-models): the first response token comes from the target alone (prefill); then every verification
-step drafts ``draft_tokens`` tokens with MTP depths 1, 2, ... (depth k reads depth k - 1's draft),
-accepts draft j with probability ``min(1, p/q)`` while all before it were accepted, replaces the
-first rejected one by a draw from ``max(p - q, 0)`` or, all accepted, adds the target's own next
-token. Per request it counts what vLLM's ``request_spec_decode_stats`` holds (drafted tokens,
+What an engine's MTP speculative decoding does, without a KV cache (full recompute per forward,
+tiny models): the first response token comes from the target alone (prefill); then every
+verification step drafts ``draft_tokens`` tokens with MTP depths 1, 2, ... (depth k reads depth
+k - 1's draft) and verifies them in order under the engine's rule (``mtp_hooks.ops.draft_rule``):
+
+* ``"sampled"``: draft ``x ~ q``, accepted with probability ``min(1, p(x) / q(x))``, a rejected one
+  replaced by a draw from ``max(p - q, 0)``;
+* ``"argmax"`` (vLLM's and SGLang's default): draft ``x = argmax q``, accepted with probability
+  ``p(x)``, a rejected one replaced by a draw from ``max(p - onehot(x), 0)`` (p without x);
+* ``"match"``: draft ``x ~ q``, the target draws ``y ~ p``; accepted iff ``x = y``, else ``y`` is emitted.
+
+All accepted, the target's own next token is added. Each rule emits exactly the target's
+distribution; at T = 0 (``p``, ``q`` one-hot at the first argmax) all three are greedy decoding. Per request it counts what vLLM's ``request_spec_decode_stats`` holds (drafted tokens,
 accepted draft tokens, verification steps), the inputs of verl's ``compute_spec_decode_metrics``.
 Draft and target are read with forward hooks on a stock model (no ``mtp_hooks``): an engine holds
 its own copy of the weights.
@@ -17,6 +24,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tests.support.mcore_cpu import cuda_current_device_is_cpu
@@ -24,11 +32,13 @@ from tests.support.mcore_cpu import cuda_current_device_is_cpu
 
 @dataclasses.dataclass
 class EngineStats:
-    """Per request: drafted tokens, accepted draft tokens, verification steps."""
+    """Per request: drafted tokens, accepted draft tokens, verification steps, and each step's first
+    drafted position (the index of its first draft token in the sequence)."""
 
     drafts: list[int]
     accepted: list[int]
     verify_steps: list[int]
+    starts: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 class _Heads:
@@ -47,16 +57,24 @@ class _Heads:
             handle.remove()
 
 
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """``softmax(logits / T)``; at T = 0 one-hot at the first argmax (greedy)."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
 def head_probs(model: nn.Module, tokens: Tensor, temperature: float) -> list[Tensor]:
-    """``softmax(logits / T)`` ``[b, s, V]`` of the main head, then of MTP depths 1..N (depth k at
-    position t predicts token t + k + 1), from one stock forward (labels given so the MTP block runs)."""
+    """``softmax(logits / T)`` ``[b, s, V]`` (``tempered``) of the main head, then of MTP depths 1..N
+    (depth k at position t predicts token t + k + 1), from one stock forward (labels given so the MTP
+    block runs)."""
     heads = _Heads(model)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
     try:
         with torch.no_grad(), cuda_current_device_is_cpu():
             model(tokens, positions, None, labels=torch.zeros_like(tokens))
             weight = model.output_layer.weight
-            return [torch.softmax((h @ weight.t()).transpose(0, 1).double() / temperature, dim=-1) for h in heads.hidden]
+            return [tempered((h @ weight.t()).transpose(0, 1).double(), temperature) for h in heads.hidden]
     finally:
         heads.remove()
 
@@ -68,10 +86,11 @@ def _residual(p: Tensor, q: Tensor) -> Tensor:
 
 
 def speculative_rollouts(
-    model: nn.Module, prompts: Tensor, new_tokens: int, draft_tokens: int, temperature: float, gen: torch.Generator
+    model: nn.Module, prompts: Tensor, new_tokens: int, draft_tokens: int, temperature: float, gen: torch.Generator, rule: str = "sampled"
 ) -> tuple[Tensor, EngineStats]:
-    """Generate at least ``new_tokens`` response tokens per prompt; the sequences ``[b, P + new_tokens]``
-    (a step's tokens past that are dropped, its counts kept) and the engine's counters."""
+    """Generate at least ``new_tokens`` response tokens per prompt under the verification ``rule``; the
+    sequences ``[b, P + new_tokens]`` (a step's tokens past that are dropped, its counts kept) and the
+    engine's counters."""
     rows, prompt = prompts.shape
     end = prompt + new_tokens
     buffer = torch.zeros(rows, end + draft_tokens + 1, dtype=torch.long)
@@ -79,7 +98,7 @@ def speculative_rollouts(
     first = head_probs(model, buffer[:, :prompt], temperature)[0][:, -1]
     buffer[:, prompt] = torch.multinomial(first.float(), 1, generator=gen).squeeze(-1)
     n = torch.full((rows,), prompt + 1)  # tokens so far; the last one came from the target
-    stats = EngineStats([0] * rows, [0] * rows, [0] * rows)
+    stats = EngineStats([0] * rows, [0] * rows, [0] * rows, [[] for _ in range(rows)])
     idx = torch.arange(rows)
     while bool((n < end).any()):
         live = n < end
@@ -89,7 +108,11 @@ def speculative_rollouts(
         drafts, q = [], []
         for k in range(1, draft_tokens + 1):
             q_k = head_probs(model, work, temperature)[k][idx, at]
-            x = torch.multinomial(q_k.float(), 1, generator=gen).squeeze(-1)
+            if rule == "argmax":  # the draft's argmax; verified as a one-hot proposal
+                x = q_k.argmax(-1)
+                q_k = F.one_hot(x, q_k.shape[-1]).to(q_k.dtype)
+            else:
+                x = torch.multinomial(q_k.float(), 1, generator=gen).squeeze(-1)
             work[idx, pos - 1 + k] = x
             drafts.append(x)
             q.append(q_k)
@@ -99,6 +122,12 @@ def speculative_rollouts(
             start, emitted = int(n[r]), []
             for j in range(draft_tokens):
                 p_j, q_j, x = main[r, start - 1 + j], q[j][r], int(drafts[j][r])
+                if rule == "match":  # the target's own draw decides: the draft must equal it
+                    y = int(torch.multinomial(p_j.float(), 1, generator=gen))
+                    emitted.append(y)
+                    if y == x:
+                        continue
+                    break
                 if u[r, j] < min(1.0, float(p_j[x] / q_j[x])):
                     emitted.append(x)
                     continue
@@ -109,6 +138,7 @@ def speculative_rollouts(
             stats.drafts[r] += draft_tokens
             stats.accepted[r] += len(emitted) - 1
             stats.verify_steps[r] += 1
+            stats.starts[r].append(start)
             buffer[r, start : start + len(emitted)] = torch.tensor(emitted)
             n[r] = start + len(emitted)
     return buffer[:, :end], stats

@@ -1,5 +1,6 @@
 """Draft objectives (``"ce"``, ``"distill"``, ``"tv"``, ``"accept"``), at draft temperatures, and agreement
-metrics (``mtp/accept_len`` included) against dense references.
+metrics (``mtp/accept_len`` included) against dense references, under the default acceptance rule
+(``"argmax"``) unless a test names another; every rule and T = 0: ``test_accept_rule.py``.
 
 Function level: ``lean_mtp_loss`` for every objective against a float64 reference built from the
 full logits with plain torch ops (objective, per-token CE, correct flags, argmax agreement,
@@ -29,8 +30,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
-from mtp_hooks.ops.lean_loss import lean_mtp_loss
-from mtp_hooks.ops.objectives import OBJECTIVES
+from mtp_hooks.ops.draft_rule import OBJECTIVES, DraftRule
+from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
+from tests.support.draft_references import acceptance, per_token_objective
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
 from tests.support.mcore_cpu import needs_packed_mtp, output_layer_calls, stock_main_only_step, thd_params
@@ -90,31 +92,25 @@ def dense_reference(
     detach_teacher_weight: bool = True,
     temperature: float = 1.0,
     logits_dtype: Optional[torch.dtype] = None,
+    accept_rule: str = "argmax",
 ) -> Dense:
-    """Full float64 logits, plain torch ops: q = softmax(hidden W^T / T), p = softmax(teacher W^T / T);
-    the CE on the labels and its correct flags untempered. ``logits_dtype``: the logits take the
-    values of a GEMM in that dtype (as the head computes them), their gradient stays float64's."""
+    """Full float64 logits, plain torch ops: q = softmax(hidden W^T / T), p = softmax(teacher W^T / T)
+    (``per_token_objective``, ``acceptance``); the CE on the labels and its correct flags untempered.
+    ``logits_dtype``: the logits take the values of a GEMM in that dtype (as the head computes them),
+    their gradient stays float64's."""
     logits = hidden.double() @ weight.double().t()
     teacher_weight = weight.detach() if detach_teacher_weight else weight
     teacher_logits = teacher.double() @ teacher_weight.double().t()
     if logits_dtype is not None:
         logits = logits + ((hidden.to(logits_dtype) @ weight.to(logits_dtype).t()).double() - logits).detach()
         teacher_logits = (teacher.to(logits_dtype) @ teacher_weight.to(logits_dtype).t()).double()
-    log_q = (logits / temperature).log_softmax(-1)
-    q, p = log_q.exp(), (teacher_logits / temperature).softmax(-1)
-    ce = -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    per_token = {
-        "ce": ce,
-        "distill": -(p * log_q).sum(-1),
-        "tv": 0.5 * (q - p).abs().sum(-1),
-        "accept": -torch.minimum(p, q).sum(-1).log(),
-    }[objective]
+    per_token = per_token_objective(objective, logits, teacher_logits, labels, temperature, accept_rule)
     return Dense(
         objective=(per_token * token_weight.double()).sum(),
-        ce=ce.detach(),
+        ce=(logits.logsumexp(-1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)).detach(),
         correct=logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= logits.max(-1).values,
         agree=logits.argmax(-1) == teacher_logits.argmax(-1),
-        accept=torch.minimum(p, q).sum(-1).detach(),
+        accept=acceptance(logits, teacher_logits, temperature, accept_rule).detach(),
     )
 
 
@@ -136,27 +132,33 @@ def test_lean_objective_matches_dense_float64_reference(objective: str, chunk_si
     tol = TOLERANCES[dtype]
     hidden, weight = case.leaves(dtype)
     teacher = case.teacher.to(dtype)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.to(dtype), None, chunk_size, objective, teacher)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.to(dtype), KernelSpec(None, chunk_size), DraftRule(objective), teacher)
     (out.objective * 0.37).backward()  # a non-unit upstream gradient: the hidden gradient is precomputed in forward
     ref_hidden, ref_weight = case.leaves(torch.float64)
     ref = dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective)
     (ref.objective * 0.37).backward()
 
+    assert_matches_reference(out, hidden, weight, ref, ref_hidden, ref_weight, tol)
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+
+
+def assert_matches_reference(out: Any, hidden: Tensor, weight: Tensor, ref: Dense, ref_hidden: Tensor, ref_weight: Tensor, tol: dict[str, float]) -> None:
+    """A ``lean_mtp_loss`` output with a teacher and its leaves' gradients against the dense reference's."""
     assert out.agree is not None and out.accept is not None
     assert out.agree.any() and not out.agree.all(), "the case should mix agreeing and disagreeing tokens"
     assert_close(out.objective.detach(), ref.objective.detach(), "objective", **tol)
-    assert_close(out.ce, ref.ce, "per-token CE", **tol)
+    assert_close(out.ce, ref.ce, "per-token CE (untempered)", **tol)
     assert_close(out.accept, ref.accept, "expected acceptance", **tol)
     assert torch.equal(out.correct, ref.correct), "correct flags"
     assert torch.equal(out.agree, ref.agree), "argmax agreement"
     assert_close(hidden.grad, ref_hidden.grad, "hidden grad", **tol)
     assert_close(weight.grad, ref_weight.grad, "weight grad", **tol)
-    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
 
 
-def test_acceptance_is_one_minus_total_variation() -> None:
+def test_sampled_acceptance_is_one_minus_total_variation() -> None:
     case = make_case(seed=3)
-    out = lean_mtp_loss(case.hidden, case.weight, case.labels, torch.ones(TOKENS, dtype=torch.float64), None, 4, "tv", case.teacher)
+    rule = DraftRule("tv", accept_rule="sampled")
+    out = lean_mtp_loss(case.hidden, case.weight, case.labels, torch.ones(TOKENS, dtype=torch.float64), KernelSpec(None, 4), rule, case.teacher)
     assert out.accept is not None
     torch.testing.assert_close(out.objective, (1 - out.accept).sum(), atol=1e-12, rtol=1e-12)
 
@@ -167,7 +169,7 @@ def test_teacher_logits_use_the_weight_detached(objective: str) -> None:
     case = make_case(seed=4)
     hidden, weight = case.leaves(torch.float64)
     teacher = case.teacher.clone().requires_grad_(True)
-    lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, objective, teacher).objective.backward()
+    lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, 3), DraftRule(objective), teacher).objective.backward()
     detached_h, detached_w = case.leaves(torch.float64)
     dense_reference(detached_h, detached_w, case.teacher, case.labels, case.token_weight, objective).objective.backward()
     attached_h, attached_w = case.leaves(torch.float64)
@@ -184,7 +186,7 @@ def test_tokens_with_zero_weight_get_zero_hidden_gradient_but_keep_their_statist
     zero = case.token_weight == 0
     assert zero.any() and (~zero).any()
     hidden, weight = case.leaves(torch.float64)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, objective, case.teacher)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, 3), DraftRule(objective), case.teacher)
     out.objective.backward()
     assert torch.equal(hidden.grad[zero], torch.zeros_like(hidden.grad[zero]))
     assert hidden.grad[~zero].abs().sum() > 0
@@ -198,7 +200,7 @@ def test_tokens_with_zero_weight_get_zero_hidden_gradient_but_keep_their_statist
 def test_all_zero_token_weights_give_zero_objective_and_zero_gradients(objective: str) -> None:
     case = make_case(seed=6)
     hidden, weight = case.leaves(torch.float32)
-    out = lean_mtp_loss(hidden, weight, case.labels, torch.zeros(TOKENS), None, 4, objective, case.teacher.float())
+    out = lean_mtp_loss(hidden, weight, case.labels, torch.zeros(TOKENS), KernelSpec(None, 4), DraftRule(objective), case.teacher.float())
     out.objective.backward()
     assert out.objective.item() == 0.0
     assert torch.equal(hidden.grad, torch.zeros_like(hidden.grad))
@@ -211,7 +213,7 @@ def test_all_zero_token_weights_give_zero_objective_and_zero_gradients(objective
 def test_detached_weight_gets_no_gradient_and_hidden_gradient_is_unchanged(objective: str, chunk_size: int) -> None:
     case = make_case(seed=7)
     hidden, weight = case.leaves(torch.float64, weight_grad=False)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, chunk_size, objective, case.teacher)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, chunk_size), DraftRule(objective), case.teacher)
     out.objective.backward()
     ref_hidden, ref_weight = case.leaves(torch.float64)
     ref = dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective)
@@ -225,7 +227,7 @@ def test_detached_weight_gets_no_gradient_and_hidden_gradient_is_unchanged(objec
 def test_hidden_without_grad_still_gives_the_weight_gradient(objective: str) -> None:
     case = make_case(seed=8)
     hidden, weight = case.leaves(torch.float64, hidden_grad=False)
-    lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, objective, case.teacher).objective.backward()
+    lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, 3), DraftRule(objective), case.teacher).objective.backward()
     ref_hidden, ref_weight = case.leaves(torch.float64)
     dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective).objective.backward()
     assert hidden.grad is None
@@ -234,7 +236,7 @@ def test_hidden_without_grad_still_gives_the_weight_gradient(objective: str) -> 
 
 def test_ce_without_teacher_reports_no_agreement() -> None:
     case = make_case(seed=9)
-    out = lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, None, 3)
+    out = lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, KernelSpec(None, 3))
     assert out.agree is None and out.accept is None
     ref = dense_reference(case.hidden, case.weight, case.teacher, case.labels, case.token_weight, "ce")
     assert_close(out.objective, ref.objective, "objective", atol=1e-12, rtol=1e-10)
@@ -249,7 +251,7 @@ def test_gradcheck_wrt_hidden_in_float64(objective: str, chunk_size: int) -> Non
     weight = case.weight.clone()
 
     def loss(h: Tensor) -> Tensor:
-        return lean_mtp_loss(h, weight, case.labels, case.token_weight, None, chunk_size, objective, case.teacher).objective
+        return lean_mtp_loss(h, weight, case.labels, case.token_weight, KernelSpec(None, chunk_size), DraftRule(objective), case.teacher).objective
 
     assert torch.autograd.gradcheck(loss, (hidden,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -267,7 +269,7 @@ def test_gradcheck_wrt_weight_with_the_teacher_logits_held_fixed(objective: str)
 
     def loss(w: Tensor) -> Tensor:
         teacher = torch.linalg.solve(w.detach(), teacher_logits.t()).t()  # teacher @ w.T == teacher_logits
-        return lean_mtp_loss(case.hidden, w, case.labels, case.token_weight, None, 4, objective, teacher).objective
+        return lean_mtp_loss(case.hidden, w, case.labels, case.token_weight, KernelSpec(None, 4), DraftRule(objective), teacher).objective
 
     assert torch.autograd.gradcheck(loss, (weight,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -278,7 +280,7 @@ def test_bf16_inputs_match_the_float64_reference_within_bf16_rounding(objective:
     case = make_case(seed=14, tokens=16, hidden=8, vocab=24)
     hidden, weight = case.leaves(torch.bfloat16)
     teacher = case.teacher.to(torch.bfloat16)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 5, objective, teacher)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), KernelSpec(None, 5), DraftRule(objective), teacher)
     out.objective.backward()
     # The reference sees the same bf16-rounded inputs, in float64.
     ref_hidden, ref_weight = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
@@ -308,10 +310,7 @@ def test_objective_at_temperature_matches_dense_reference_with_both_distribution
     case = make_case(seed=300 + OBJECTIVES.index(objective))
     tol = TOLERANCES[dtype]
     hidden, weight = case.leaves(dtype)
-    out = lean_mtp_loss(
-        hidden, weight, case.labels, case.token_weight.to(dtype), None, 4, objective, case.teacher.to(dtype),
-        weight_grad=weight_grad, temperature=temperature,
-    )
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.to(dtype), KernelSpec(None, 4, weight_grad), DraftRule(objective, temperature), case.teacher.to(dtype))
     (out.objective * 0.37).backward()
     ref_hidden, ref_weight = case.leaves(torch.float64)
     ref = dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective, temperature=temperature)
@@ -333,7 +332,7 @@ def test_bf16_at_temperature_matches_the_float64_reference_within_bf16_rounding(
     case = make_case(seed=400 + OBJECTIVES.index(objective), tokens=16, hidden=8, vocab=24)
     hidden, weight = case.leaves(torch.bfloat16)
     teacher = case.teacher.to(torch.bfloat16)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 5, objective, teacher, temperature=temperature)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), KernelSpec(None, 5), DraftRule(objective, temperature), teacher)
     out.objective.backward()
     ref_hidden, ref_weight = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
     # The reference's logits are the bf16 GEMM's: tv's sign(q - p) would flip where a logit's bf16 rounding crosses p = q.
@@ -359,19 +358,19 @@ def test_gradcheck_at_temperature_in_float64(objective: str, temperature: float)
 
     def loss(h: Tensor, w: Tensor) -> Tensor:
         teacher = torch.linalg.solve(w.detach(), teacher_logits.t()).t()
-        return lean_mtp_loss(h, w, case.labels, case.token_weight, None, 4, objective, teacher, temperature=temperature).objective
+        return lean_mtp_loss(h, w, case.labels, case.token_weight, KernelSpec(None, 4), DraftRule(objective, temperature), teacher).objective
 
     assert torch.autograd.gradcheck(loss, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-def test_accept_is_minus_log_acceptance_with_tvs_gradient_divided_by_acceptance() -> None:
-    """``"accept"`` and ``"tv"`` share the optimum but not the weighting: per token, accept's hidden
-    gradient is tv's divided by alpha, so the two objectives train differently wherever alpha < 1."""
+def test_sampled_accept_is_minus_log_acceptance_with_tvs_gradient_divided_by_acceptance() -> None:
+    """Under ``"sampled"``, ``"accept"`` and ``"tv"`` share the optimum but not the weighting: per token,
+    accept's hidden gradient is tv's divided by alpha, so the two objectives train differently wherever alpha < 1."""
     case = make_case(seed=16)
     grads, outs = {}, {}
     for objective in ("tv", "accept"):
         hidden, weight = case.leaves(torch.float64)
-        outs[objective] = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, objective, case.teacher, temperature=1.3)
+        outs[objective] = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, 3), DraftRule(objective, 1.3, "sampled"), case.teacher)
         outs[objective].objective.backward()
         grads[objective] = hidden.grad
     alpha = outs["accept"].accept
@@ -381,8 +380,10 @@ def test_accept_is_minus_log_acceptance_with_tvs_gradient_divided_by_acceptance(
     assert not torch.allclose(grads["accept"], grads["tv"], atol=1e-3)
 
 
-def test_accept_gradient_stays_accurate_in_fp32_when_acceptance_is_tiny() -> None:
-    """Draft and target all but disjoint (alpha ~ 1e-6): the fp32 gradient of -log alpha matches fp64
+@pytest.mark.parametrize("accept_rule", ["sampled", "match", "argmax"])
+def test_accept_gradient_stays_accurate_in_fp32_when_acceptance_is_tiny(accept_rule: str) -> None:
+    """Draft and target all but disjoint (alpha ~ 1e-6, every rule's; the argmax rule's surrogate sum
+    alike): the fp32 gradient of -log alpha (or of the surrogate) matches fp64
     (no ``1 - 2 * sum`` cancellation divided by a tiny alpha), while tv's gradient has faded with alpha."""
     vocab, hidden_size = 8, 8
     weight = torch.eye(vocab, hidden_size, dtype=torch.float64) * 14.0
@@ -396,11 +397,12 @@ def test_accept_gradient_stays_accurate_in_fp32_when_acceptance_is_tiny() -> Non
     for dtype in (torch.float32, torch.float64):
         for objective in ("accept", "tv"):
             h, w = hidden.to(dtype).clone().requires_grad_(True), weight.to(dtype)
-            out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), None, 2, objective, teacher.to(dtype))
+            rule = DraftRule(objective, accept_rule=accept_rule)
+            out = lean_mtp_loss(h, w, labels, token_weight.to(dtype), KernelSpec(None, 2), rule, teacher.to(dtype))
             out.objective.backward()
             results[objective, dtype] = (h.grad.double(), out.accept.double())
     grad64, alpha = results["accept", torch.float64]
-    assert (alpha < 1e-5).all() and (alpha > 0).all()
+    assert (alpha < 1e-5).all() and (alpha >= 0).all()
     torch.testing.assert_close(results["accept", torch.float32][0], grad64, atol=1e-5, rtol=1e-4)
     assert grad64.abs().sum() > 1.0  # O(1): tv's gradient divided by alpha
     assert results["tv", torch.float64][0].abs().sum() < 1e-3
@@ -408,12 +410,18 @@ def test_accept_gradient_stays_accurate_in_fp32_when_acceptance_is_tiny() -> Non
 
 @pytest.mark.parametrize(
     ("objective", "teacher", "match"),
-    [("kl", True, "objective must be one of"), ("distill", False, "needs a teacher"), ("tv", False, "needs a teacher")],
+    [
+        ("kl", True, "^objective: bad value"),
+        ("distill", False, "^teacher: bad value"),
+        ("tv", False, "^teacher: bad value"),
+        ("accept", False, "^teacher: bad value"),
+    ],
 )
 def test_lean_mtp_loss_refuses_bad_objective_or_missing_teacher(objective: str, teacher: bool, match: str) -> None:
     case = make_case(seed=10)
-    with pytest.raises(ValueError, match=match):
-        lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, None, 3, objective, case.teacher if teacher else None)
+    with pytest.raises(mtp_hooks.MTPHooksError, match=match):
+        rule = DraftRule(objective)  # an unknown objective is refused here
+        lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, KernelSpec(None, 3), rule, case.teacher if teacher else None)
 
 
 # ============================================================================ model level
@@ -489,20 +497,13 @@ def matching_positions(micro: Micro, k: int) -> list[tuple[int, int, int, float]
     return out
 
 
-def per_token_objective(objective: str, logits: Tensor, teacher_logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    if objective == "ce":
-        return -logits.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    log_q = (logits / temperature).log_softmax(-1)
-    p = (teacher_logits / temperature).softmax(-1)
-    if objective == "distill":
-        return -(p * log_q).sum(-1)
-    if objective == "accept":
-        return -torch.minimum(p, log_q.exp()).sum(-1).log()
-    return 0.5 * (log_q.exp() - p).abs().sum(-1)
-
-
 def stock_reference_step(
-    stock: nn.Module, micro: Micro, objective: str, temperature: float = 1.0, chains: Optional[list[tuple[float, float]]] = None
+    stock: nn.Module,
+    micro: Micro,
+    objective: str,
+    temperature: float = 1.0,
+    chains: Optional[list[tuple[float, float]]] = None,
+    accept_rule: str = "argmax",
 ) -> dict[str, float]:
     """Stock mcore with its MTP loss weighted 0, plus the dense MTP ``objective`` built in the test.
 
@@ -511,7 +512,7 @@ def stock_reference_step(
     objective: ``(scale/N) * sum_t mask_k * loss(W h_k[t], teacher = W.detach() h_0[t+k].detach())
     / max(sum mask_k, 1)``; backward of stock's masked-mean main loss plus every depth's objective.
     Returns brute-force metrics from stock's own logits, keyed as ``hooks.metrics()``; ``p`` and
-    ``q`` at ``temperature`` for the objective and the acceptance. ``mtp/accept_len``: per position
+    ``q`` at ``temperature`` for the objective and the acceptance, the latter under ``accept_rule``. ``mtp/accept_len``: per position
     ``t``, ``prod_{j<=k} alpha_j(t)`` over the positions where depths 1..k all count, averaged per
     ``k`` and summed; ``chains`` gets each ``k``'s (sum, positions).
     """
@@ -543,12 +544,11 @@ def stock_reference_step(
         # Gradient reference: autograd through the captured block output.
         logits = chunks[k][rows, t].double() @ weight.double().t()
         teacher_logits = chunks[0][rows, u].detach().double() @ weight.detach().double().t()
-        loss = (w * per_token_objective(objective, logits, teacher_logits, labels, temperature)).sum()
+        loss = (w * per_token_objective(objective, logits, teacher_logits, labels, temperature, accept_rule)).sum()
         total = total + (LOSS_SCALE / depth) * loss / w.sum().clamp(min=1)
         # Metrics: stock's own output-layer logits, position by position.
         mtp_logits = calls[k - 1].transpose(0, 1).double()[rows, t]
         main_at = main_logits[rows, u]
-        q, p = (mtp_logits / temperature).softmax(-1), (main_at / temperature).softmax(-1)
         tokens = w.sum()
         ce = F.cross_entropy(mtp_logits, labels, reduction="none")
         correct = mtp_logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) >= mtp_logits.max(-1).values
@@ -557,7 +557,7 @@ def stock_reference_step(
         metrics[f"mtp_{k}/loss"] = float((w * ce).sum() / tokens)
         metrics[f"mtp_{k}/acc"] = float((w * correct).sum() / tokens)
         metrics[f"mtp_{k}/agree"] = float((w * agree).sum() / tokens)
-        alpha = torch.minimum(p, q).sum(-1)
+        alpha = acceptance(mtp_logits, main_at, temperature, accept_rule)
         metrics[f"mtp_{k}/accept"] = float((w * alpha).sum() / tokens)
         for index, position in enumerate(positions):
             alphas.setdefault(position[:2], []).append((float(alpha[index]), position[3]))
@@ -755,7 +755,15 @@ def test_depths_without_targets_report_no_ratios_and_no_gradient(objective: str)
         pytest.param({"output": "logprobs", "temperature": "1.0"}, "temperature", id="temperature-str"),
         pytest.param({"temperature": 0.7}, "temperature", id="temperature-with-logits"),
         pytest.param({"loss_impl": "dense", "objective": "accept"}, "loss_impl", id="dense-accept"),
-        pytest.param({"objective": "accept", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero"),
+        pytest.param({"objective": "accept", "accept_rule": "sampled", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero-sampled"),
+        pytest.param({"objective": "accept", "accept_rule": "match", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero-match"),
+        pytest.param({"objective": "distill", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero-distill"),
+        pytest.param({"objective": "tv", "accept_rule": "argmax", "draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero-tv"),
+        pytest.param({"draft_temperature": 0.0}, "draft_temperature", id="draft-temperature-zero-with-ce-alone"),
+        pytest.param({"objective": "accept", "accept_rule": "greedy"}, "accept_rule", id="unknown-accept-rule"),
+        pytest.param({"objective": "accept", "accept_rule": None}, "accept_rule", id="accept-rule-none"),
+        pytest.param({"accept_rule": "sampled"}, "accept_rule", id="accept-rule-without-acceptance"),
+        pytest.param({"loss_impl": "dense", "accept_rule": "match"}, "accept_rule", id="accept-rule-dense"),
         pytest.param({"objective": "accept", "draft_temperature": -0.5}, "draft_temperature", id="draft-temperature-negative"),
         pytest.param({"objective": "tv", "draft_temperature": float("nan")}, "draft_temperature", id="draft-temperature-nan"),
         pytest.param({"objective": "tv", "draft_temperature": float("inf")}, "draft_temperature", id="draft-temperature-inf"),

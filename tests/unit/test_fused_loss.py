@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from mtp_hooks import MTPHooksError
-from mtp_hooks.ops.lean_loss import HeadLoss, lean_mtp_loss
-from mtp_hooks.ops.objectives import OBJECTIVES
+from mtp_hooks.ops.draft_rule import OBJECTIVES, DraftRule
+from mtp_hooks.ops.lean_loss import HeadLoss, KernelSpec, lean_mtp_loss
 from mtp_hooks.ops.weight_grad import WEIGHT_GRAD_MODES, choose_weight_grad
 from tests.support.distributed import SpawnedGroup
 from tests.unit.test_draft_objectives import TOLERANCES, Case, Dense, assert_close, dense_reference, make_case
@@ -48,7 +48,7 @@ def run(
     """One lean call and its backward (scaled by ``SCALE``); returns the outputs and both leaves."""
     hidden, weight = case.leaves(dtype, hidden_grad, weight_grad_needed)
     teacher = case.teacher.to(dtype) if with_teacher else None
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.to(dtype), None, chunk_size, objective, teacher, weight_grad)
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.to(dtype), KernelSpec(None, chunk_size, weight_grad), DraftRule(objective), teacher)
     if out.objective.requires_grad:
         (out.objective * SCALE).backward()
     return out, hidden, weight
@@ -108,7 +108,7 @@ def test_fused_gradcheck_in_float64() -> None:
     hidden, weight = case.leaves(torch.float64)
 
     def objective(h: Tensor, w: Tensor) -> Tensor:
-        return lean_mtp_loss(h, w, case.labels, case.token_weight, None, 3, "ce", None, "fused").objective
+        return lean_mtp_loss(h, w, case.labels, case.token_weight, KernelSpec(None, 3, "fused"), DraftRule("ce"), None).objective
 
     assert torch.autograd.gradcheck(objective, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -123,7 +123,7 @@ def test_fused_gradcheck_wrt_weight_with_the_teacher_logits_held_fixed(objective
 
     def loss(w: Tensor) -> Tensor:
         teacher = torch.linalg.solve(w.detach(), teacher_logits.t()).t()
-        return lean_mtp_loss(case.hidden, w, case.labels, case.token_weight, None, 4, objective, teacher, "fused").objective
+        return lean_mtp_loss(case.hidden, w, case.labels, case.token_weight, KernelSpec(None, 4, "fused"), DraftRule(objective), teacher).objective
 
     assert torch.autograd.gradcheck(loss, (weight,), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -131,7 +131,7 @@ def test_fused_gradcheck_wrt_weight_with_the_teacher_logits_held_fixed(objective
 def test_fused_backward_twice_with_retained_graph_gives_twice_the_gradient() -> None:
     case = make_case(seed=41)
     hidden, weight = case.leaves(torch.float64)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, 3, "distill", case.teacher, "fused")
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, 3, "fused"), DraftRule("distill"), case.teacher)
     out.objective.backward(retain_graph=True)
     once = weight.grad.clone()
     out.objective.backward()
@@ -179,7 +179,7 @@ def test_fused_low_precision_accumulates_in_fp32_and_keeps_small_contributions(
         token_weight=token_weight,
     )
     hidden, weight = case.leaves(dtype, hidden_grad=False)
-    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 1, "ce", None, "fused")
+    out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), KernelSpec(None, 1, "fused"), DraftRule("ce"), None)
     (accumulator,) = [t for t in out.objective.grad_fn.saved_tensors if t is not None and t.dim() == 2]
     assert accumulator.dtype == torch.float32 and accumulator.shape == (vocab, hidden_size)
     out.objective.backward()
@@ -202,7 +202,7 @@ def test_one_call_over_concatenated_depths_equals_per_depth_calls(objective: str
     hiddens = [case.hidden.clone().requires_grad_(True) for case in depths]
     for case, hidden, coefficient in zip(depths, hiddens, coefficients):
         token_weight = case.token_weight * coefficient
-        out = lean_mtp_loss(hidden, weight, case.labels, token_weight, None, 4, objective, case.teacher, weight_grad)
+        out = lean_mtp_loss(hidden, weight, case.labels, token_weight, KernelSpec(None, 4, weight_grad), DraftRule(objective), case.teacher)
         (out.objective * SCALE).backward()
         per_depth.append(out)
 
@@ -213,11 +213,9 @@ def test_one_call_over_concatenated_depths_equals_per_depth_calls(objective: str
         joint_weight,
         torch.cat([case.labels for case in depths]),
         torch.cat([case.token_weight * c for case, c in zip(depths, coefficients)]),
-        None,
-        4,  # chunks straddle the depths' boundaries
-        objective,
+        KernelSpec(None, 4, weight_grad),
+        DraftRule(objective),
         torch.cat([case.teacher for case in depths]),
-        weight_grad,
     )
     (joint.objective * SCALE).backward()
 
@@ -278,7 +276,7 @@ def test_fused_allocates_one_fp32_accumulator_only_for_a_trained_head(weight_nee
     hidden, weight = case.leaves(torch.float32, weight_grad=weight_needs_grad)
     probe = NewStorages()
     with probe:
-        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 5, "distill", case.teacher.float(), "fused")
+        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), KernelSpec(None, 5, "fused"), DraftRule("distill"), case.teacher.float())
     saved = [(tuple(t.shape), t.dtype) for t in out.objective.grad_fn.saved_tensors if t is not None]
     accumulators = [entry for entry in probe.outputs if entry[0] == (11, 5)]
     if weight_needs_grad:
@@ -337,7 +335,7 @@ def test_choose_weight_grad_prefers_fused_until_the_accumulator_outweighs_the_lo
 def test_unknown_weight_grad_mode_is_refused() -> None:
     case = make_case(seed=99)
     with pytest.raises(MTPHooksError, match="weight_grad: bad value\n  expected: one of \\('fused', 'recompute'\\)\n  received: 'dense'"):
-        lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, None, 3, "ce", None, "dense")
+        lean_mtp_loss(case.hidden, case.weight, case.labels, case.token_weight, KernelSpec(None, 3, "dense"), DraftRule("ce"), None)
 
 
 # ---------------------------------------------------------------------------- vocabulary-parallel
@@ -356,7 +354,7 @@ def scenario_fused_vocab_parallel(objective: str) -> None:
     for weight_grad in WEIGHT_GRAD_MODES:
         hidden = case.hidden.clone().requires_grad_(True)
         weight = case.weight[rows].clone().requires_grad_(True)
-        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, group, 5, objective, case.teacher, weight_grad)
+        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(group, 5, weight_grad), DraftRule(objective), case.teacher)
         (out.objective * SCALE).backward()
         summed_hidden_grad = hidden.grad.clone()  # each rank holds its shard's part; the TP region sums them
         dist.all_reduce(summed_hidden_grad, group=group)
@@ -390,7 +388,7 @@ def test_chunk_loops_write_every_chunk_into_one_buffer(weight_grad: str) -> None
     hidden, weight = case.leaves(torch.float32)
     probe = NewStorages()
     with probe:
-        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), None, 3, "ce", None, weight_grad)
+        out = lean_mtp_loss(hidden, weight, case.labels, case.token_weight.float(), KernelSpec(None, 3, weight_grad), DraftRule("ce"), None)
     assert [entry for entry in probe.outputs if entry[0] == (3 * 11,)] == [((3 * 11,), torch.float32)], probe.outputs
     assert not [entry for entry in probe.outputs if entry[0] == (3, 11)], "a chunk's logits allocated outside the buffer"
     probe = NewStorages()

@@ -88,3 +88,23 @@ def test_attach_takes_exactly_the_options() -> None:
     parameters = {n: p.default for n, p in inspect.signature(mtp_hooks.attach).parameters.items() if n != "model"}
     fields = {f.name: f.default for f in dataclasses.fields(Options)}
     assert parameters == fields
+
+
+# ``attach`` takes one keyword per option (``Options``' fields, above); every other signature groups
+# what travels together into small typed objects (``KernelSpec``, ``DraftRule``, ``MTPBatch`` ...).
+MANY_PARAMETERS_ALLOWED = {("api.py", "attach")}
+
+
+def test_no_function_takes_more_than_8_parameters() -> None:
+    """Counted without ``self`` / ``cls`` / an autograd ``ctx`` and ``**kwargs`` (which the testing models'
+    mcore-built modules take and pass on), over every function and method of the package."""
+    crowded = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args
+                names = [a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]] + ([arguments.vararg.arg] if arguments.vararg else [])
+                count = len([name for name in names if name not in ("self", "cls", "ctx")])
+                if count > 8 and (str(path.relative_to(PACKAGE)), node.name) not in MANY_PARAMETERS_ALLOWED:
+                    crowded.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({count})")
+    assert not crowded, f"functions over 8 parameters: {crowded}"

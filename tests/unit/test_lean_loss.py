@@ -23,7 +23,8 @@ from torch import Tensor
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 import mtp_hooks
-from mtp_hooks.ops.lean_loss import LeanMTPLoss, lean_mtp_loss
+from mtp_hooks.ops.draft_rule import DraftRule
+from mtp_hooks.ops.lean_loss import KernelSpec, LeanMTPLoss, lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB
 from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
@@ -89,7 +90,7 @@ def float64_reference(hidden: Tensor, weight: Tensor, labels: Tensor, token_weig
 
 def run_lean(case: Case, chunk_size: int, hidden_grad: bool = True, weight_grad: bool = True, scale: float = 1.0):
     hidden, weight = case.leaves(hidden_grad, weight_grad)
-    objective, ce, correct = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, chunk_size)[:3]
+    objective, ce, correct = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, chunk_size))[:3]
     if objective.requires_grad:
         (objective * scale).backward()
     return objective.detach(), ce, correct, hidden, weight
@@ -245,7 +246,7 @@ def test_hidden_without_grad_still_gives_the_weight_gradient(chunk_size: int) ->
 def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:
     case = make_case(seed=9, tokens=12, hidden=4, vocab=29)
     hidden, weight = case.leaves()
-    objective = LeanMTPLoss.apply(hidden, weight, case.labels, case.token_weight, None, None, 5, "ce")[0]
+    objective = LeanMTPLoss.apply(hidden, weight, case.labels, case.token_weight, None, KernelSpec(None, 5), DraftRule())[0]
     saved = [t for t in objective.grad_fn.saved_tensors if t is not None]
     assert saved, "the weight gradient needs hidden and weight"
     logits_numel = 12 * 29
@@ -258,7 +259,7 @@ def test_chunked_lean_never_materialises_a_full_logits_tensor() -> None:
     hidden, weight = case.leaves()
     probe = LargestOutput()
     with probe:
-        objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, chunk).objective
+        objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, chunk)).objective
         objective.backward()
     assert weight.grad is not None and hidden.grad is not None
     # A forward chunk holds chunk * V logits; a backward vocabulary slice as many, over all tokens.
@@ -270,7 +271,7 @@ def test_weight_gradient_recompute_holds_at_most_a_quarter_of_the_logits_even_wi
     tokens, hidden_size, vocab = 32, 8, 64
     case = make_case(seed=15, tokens=tokens, hidden=hidden_size, vocab=vocab)
     hidden, weight = case.leaves()
-    objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, None, tokens + 1).objective
+    objective = lean_mtp_loss(hidden, weight, case.labels, case.token_weight, KernelSpec(None, tokens + 1)).objective
     probe = LargestOutput()
     with probe:
         objective.backward()
@@ -299,7 +300,7 @@ def test_gradcheck_in_float64(chunk_size: int, needs: str) -> None:
     token_weight = case.token_weight.double()
 
     def objective(h: Tensor, w: Tensor) -> Tensor:
-        return lean_mtp_loss(h, w, case.labels, token_weight, None, chunk_size).objective
+        return lean_mtp_loss(h, w, case.labels, token_weight, KernelSpec(None, chunk_size)).objective
 
     assert objective(hidden, weight).dtype == torch.float64
     assert torch.autograd.gradcheck(objective, (hidden, weight), eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -308,7 +309,7 @@ def test_gradcheck_in_float64(chunk_size: int, needs: str) -> None:
 def test_bf16_inputs_match_mcore_dense_within_bf16_rounding() -> None:
     case = make_case(seed=13, tokens=16, hidden=8, vocab=24, dtype=torch.bfloat16)
     lean_h, lean_w = case.leaves()
-    objective, ce = lean_mtp_loss(lean_h, lean_w, case.labels, case.token_weight, None, 5)[:2]
+    objective, ce = lean_mtp_loss(lean_h, lean_w, case.labels, case.token_weight, KernelSpec(None, 5))[:2]
     objective.backward()
     dense_h, dense_w = case.leaves()
     ref_objective, ref_ce, _ = mcore_dense(dense_h, dense_w, case.labels, case.token_weight)
