@@ -4,8 +4,10 @@ Knobs (``parity.AXES``): output mode (logits; log-probs with and without entropy
 loss path (``lean`` auto, ``fused``, ``recompute``, ``dense``), tied / untied head, gradient-
 accumulation fusion under mcore's DDP (``main_grad`` compared), fp32 / bf16 / fp16 (``Float16Module``,
 fp16 with a loss scaler at 2^12), detach flags, ``calculate_per_token_loss``, ``torch.utils.checkpoint``
-of the model call, and 1 or 2 micro-batches in flight (all forwards first, backwards in forward or
-reverse order). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2.
+of the model call, 1 or 2 micro-batches in flight (all forwards first, backwards in forward or
+reverse order), the draft chain, and the acceptance measured (``accept``: off, or the argmax,
+sampled and match rules at T > 0 and greedy T = 0, against a dense reference from stock's logits;
+never with the dense loss path, which measures none: ``parity.FORBIDDEN``). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2.
 
 Default set (``make test``): every combination of values of any 3 knobs (a greedy 3-wise covering
 set), the full product of output x loss path x head x fusion x checkpoint x micro-batches at fp32,
@@ -29,7 +31,7 @@ import torch
 
 from tests.support import parity
 from tests.support.distributed import SpawnedGroup
-from tests.support.parity import AXES, LAYOUTS, Case
+from tests.support.parity import AXES, FORBIDDEN, LAYOUTS, Case
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -61,14 +63,14 @@ def parity_mode(config: pytest.Config) -> str:
 
 def single_process_cases(mode: str) -> list[Case]:
     if mode == "full":
-        return _unique(parity.product(AXES))
+        return _unique([row for row in parity.product(AXES) if parity.allowed(row, FORBIDDEN)])
     if mode == "pairwise":
-        return _unique(parity.covering(AXES, 2))
-    return _unique(parity.covering(AXES, 3) + parity.product(SUB_GRID))
+        return _unique(parity.covering(AXES, 2, FORBIDDEN))
+    return _unique(parity.covering(AXES, 3, FORBIDDEN) + parity.product(SUB_GRID))
 
 
 def two_rank_cases(mode: str) -> list[Case]:
-    return _unique(parity.covering({"layout": LAYOUTS, **AXES}, 3 if mode == "full" else 2))
+    return _unique(parity.covering({"layout": LAYOUTS, **AXES}, 3 if mode == "full" else 2, FORBIDDEN))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -98,11 +100,13 @@ def test_hooked_matches_stock(case: Case, request: pytest.FixtureRequest) -> Non
 
 @pytest.mark.parametrize("strength", [2, 3])
 def test_covering_sets_hold_every_combination_and_are_deterministic(strength: int) -> None:
-    rows = parity.covering(AXES, strength)
-    assert parity.is_covering(rows, AXES, strength)
-    assert not parity.is_covering(rows[:-1], AXES, strength), "the last row added nothing"
-    assert rows == parity.covering(AXES, strength)
+    rows = parity.covering(AXES, strength, FORBIDDEN)
+    assert parity.is_covering(rows, AXES, strength, FORBIDDEN)
+    assert not parity.is_covering(rows[:-1], AXES, strength, FORBIDDEN), "the last row added nothing"
+    assert rows == parity.covering(AXES, strength, FORBIDDEN)
     assert len(rows) < len(parity.product(AXES)) // 50
+    assert not any(row["loss_impl"] == "dense" and row["accept"] != "off" for row in rows), "a forbidden pair was run"
+    assert not parity.is_covering([*rows, {**rows[0], "loss_impl": "dense", "accept": "match"}], AXES, strength, FORBIDDEN)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -154,4 +158,14 @@ def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -
     hooked, _, _ = parity.run_twins(dataclasses.replace(case, chain="none"), hooked_options={"draft_steps": 4})
     assert hooked is not None
     with pytest.raises(AssertionError, match="MTP losses|differs"):
+        parity.compare(case, hooked, stock, reference)
+
+
+@pytest.mark.parametrize(("dtype", "measured"), [("fp32", {"accept_rule": "sampled", "draft_temperature": 0.7}), ("bf16", {"draft_temperature": 0.0})])
+def test_the_comparison_catches_acceptance_measured_under_another_rule_or_temperature(dtype: str, measured: dict[str, Any]) -> None:
+    """A hooked twin measuring the sampled rule (or T = 0) fails against the argmax rule's reference at T = 0.7."""
+    case = Case(accept="argmax", dtype=dtype)
+    hooked, stock, reference = parity.run_twins(case, hooked_options=measured)
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="acceptance metrics"):
         parity.compare(case, hooked, stock, reference)

@@ -2,7 +2,8 @@
 
 Test-only support for ``tests/parity/test_parity_matrix.py``. A ``Case`` names one value per knob (output
 mode, loss path, tied head, gradient-accumulation fusion under mcore's DDP, dtype, detach flags,
-per-token loss, checkpoint recompute, micro-batches in flight, parallel layout). ``run_case``
+per-token loss, checkpoint recompute, micro-batches in flight, the draft chain, the acceptance rule
+measured (``parity_acceptance``), parallel layout). ``run_case``
 builds the twins with the same weights, runs the same micro-batches through both and compares:
 
 * stock is called with ``labels`` and returns its per-token loss; its main logits are read with
@@ -14,7 +15,8 @@ builds the twins with the same weights, runs the same micro-batches through both
   logits / temperature at the labels (and their entropy);
 * compared: the main output (logits bit for bit; log-probs and entropy), the per-depth MTP losses
   of every micro-batch (``hooks.metrics()`` and the tracker the hooks fill, against stock's tracker
-  read right after its forward, before a recompute could add to it), and every parameter's
+  read right after its forward, before a recompute could add to it), with an ``accept`` value the
+  acceptance metrics against a dense reference from stock's captured logits, and every parameter's
   ``grad`` (``main_grad`` under fusion; which parameters got none must agree too).
 
 Tolerances: fp32: near-bitwise (``FP32``, the side-by-side suite's). bf16 / fp16: the twins also
@@ -31,7 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import traceback
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -42,6 +44,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, gather_vocab, stock_chain, stock_detaches
+from tests.support.parity_acceptance import ACCEPT, FORBIDDEN, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 from tests.support.mcore_cpu import (
     Batch,
     TinyGPT,
@@ -70,7 +73,9 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
     "chain": ("none", "k2_argmax", "k3", "k4_argmax"),
+    "accept": tuple(ACCEPT),
 }
+# FORBIDDEN (``parity_acceptance``): the value pairs no case can have, left out of the covering sets.
 LAYOUTS = ("tp", "sp", "cp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The loss scaler's value per dtype (fp16 needs one; the others run at 1).
@@ -91,6 +96,7 @@ class Case:
     checkpoint: bool = False
     micro_batches: str = "1"
     chain: str = "none"
+    accept: str = "off"
     layout: Optional[str] = None
 
     @property
@@ -107,6 +113,8 @@ class Case:
             parts.append({"2": "2mb", "2_reversed": "2mb_reversed"}[self.micro_batches])
         if self.chain != "none":
             parts.append(f"chain_{self.chain}")
+        if self.accept != "off":
+            parts.append(f"accept_{self.accept}")
         if self.layout is not None:
             parts.append(self.layout)
         return "-".join(parts)
@@ -122,6 +130,7 @@ class Case:
         steps, inputs = CHAIN[self.chain]
         if self.chain != "none":
             options.update(draft_steps=steps, draft_inputs=inputs)
+        options.update(accept_options(self.accept))
         return options
 
     @property
@@ -156,6 +165,8 @@ class Case:
                 + (f", the last layer called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")
                 + (", every later layer call embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
             )
+        if self.accept != "off":
+            parts.append(accept_reference(self.accept))
         if self.dtype != "fp32":
             parts.append(f"{self.dtype}: errors against an fp32 stock twin within stock's own")
         return "; ".join(parts)
@@ -173,9 +184,10 @@ class Case:
 # --------------------------------------------------------------------------- covering sets
 
 
-def covering(axes: Mapping[str, Sequence[Any]], strength: int = 2) -> list[dict[str, Any]]:
+def covering(axes: Mapping[str, Sequence[Any]], strength: int = 2, forbidden: Collection[tuple[Any, ...]] = ()) -> list[dict[str, Any]]:
     """A deterministic set of rows in which every ``strength`` axes take every combination of their
-    values at least once (``strength=2``: all pairs).
+    values at least once (``strength=2``: all pairs), but those holding a ``forbidden`` pair
+    ``((axis, value), (axis, value))``, which no row holds.
 
     Greedy: each new row starts from the first still uncovered combination (axes and values in
     their given order) and gives every other axis, in order, the value that completes the most
@@ -184,7 +196,10 @@ def covering(axes: Mapping[str, Sequence[Any]], strength: int = 2) -> list[dict[
     """
     names = list(axes)
     groups = list(itertools.combinations(names, strength))
-    uncovered = {tuple(zip(group, values)) for group in groups for values in itertools.product(*(axes[a] for a in group))}
+    uncovered = {
+        tuple(zip(group, values)) for group in groups for values in itertools.product(*(axes[a] for a in group))
+        if allowed(dict(zip(group, values)), forbidden)
+    }
     order = {(name, value): (names.index(name), list(axes[name]).index(value)) for name in names for value in axes[name]}
     rows: list[dict[str, Any]] = []
     while uncovered:
@@ -201,10 +216,16 @@ def covering(axes: Mapping[str, Sequence[Any]], strength: int = 2) -> list[dict[
                     if name in group and all(a in chosen for a in group)
                 )
 
-            row[name] = max(axes[name], key=lambda value: (gain(value), -list(axes[name]).index(value)))
+            choices = [value for value in axes[name] if allowed({**row, name: value}, forbidden)]
+            row[name] = max(choices, key=lambda value: (gain(value), -list(axes[name]).index(value)))
         uncovered -= {tuple((a, row[a]) for a in group) for group in groups}
         rows.append({name: row[name] for name in names})
     return rows
+
+
+def allowed(row: Mapping[str, Any], forbidden: Collection[tuple[Any, ...]]) -> bool:
+    """Whether ``row`` (a case or part of one) holds no ``forbidden`` pair."""
+    return not any(all(axis in row and row[axis] == value for axis, value in pair) for pair in forbidden)
 
 
 def product(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -212,13 +233,15 @@ def product(axes: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
-def is_covering(rows: list[dict[str, Any]], axes: Mapping[str, Sequence[Any]], strength: int = 2) -> bool:
-    """Whether every ``strength`` axes take every combination of their values in some row."""
+def is_covering(rows: list[dict[str, Any]], axes: Mapping[str, Sequence[Any]], strength: int = 2, forbidden: Collection[tuple[Any, ...]] = ()) -> bool:
+    """Whether every ``strength`` axes take every combination of their values in some row (those with a
+    ``forbidden`` pair excepted, which no row may hold)."""
     seen = {tuple((a, row[a]) for a in group) for row in rows for group in itertools.combinations(axes, strength)}
-    return all(
+    return all(allowed(row, forbidden) for row in rows) and all(
         tuple(zip(group, values)) in seen
         for group in itertools.combinations(axes, strength)
         for values in itertools.product(*(axes[a] for a in group))
+        if allowed(dict(zip(group, values)), forbidden)
     )
 
 
@@ -328,6 +351,7 @@ class Run:
     entropy: list[Tensor] = dataclasses.field(default_factory=list)
     mtp: list[list[float]] = dataclasses.field(default_factory=list)  # stock / hooks' tracker per micro-batch
     metrics: list[list[float]] = dataclasses.field(default_factory=list)  # hooks.metrics() per micro-batch
+    acceptance: list[dict[str, float]] = dataclasses.field(default_factory=list)  # per micro-batch (``accept`` axis)
     grads: dict[str, Optional[Tensor]] = dataclasses.field(default_factory=dict)
 
     def record_logprobs(self, logprobs: Tensor, entropy: Optional[Tensor]) -> None:
@@ -397,7 +421,7 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
     with stock_chain(twin.inner, case.chain), stock_detaches(twin.inner, case.detach, case.steps):
         for batch, advantages in batches:
 
-            def forward(*model_args: Any, batch: Batch = batch) -> tuple[Tensor, Tensor]:
+            def forward(*model_args: Any, batch: Batch = batch) -> tuple[Tensor, Tensor, Tensor]:
                 outputs: list[Tensor] = []
                 # A clone, graph kept: mcore's CE then shifts the layer's own output in place.
                 handle = twin.inner.output_layer.register_forward_hook(lambda module, args, out: outputs.append(out[0].clone()))
@@ -405,11 +429,14 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
                     per_token = twin.called(*model_args, labels=batch.labels, loss_mask=batch.loss_mask)
                 finally:
                     handle.remove()
-                return per_token, outputs[-1].transpose(0, 1)
+                return per_token, outputs[-1].transpose(0, 1), torch.stack([out.detach() for out in outputs[:-1]])
 
             stock_mtp_losses()
-            per_token, logits = _call(case, forward, batch.model_args)
+            per_token, logits, mtp_logits = _call(case, forward, batch.model_args)
             run.mtp.append(stock_mtp_losses())
+            if case.accept != "off":
+                assert batch.loss_mask is not None
+                run.acceptance.append(stock_acceptance(case.accept, mtp_logits, logits.detach().transpose(0, 1), batch.loss_mask))
             run.logits.append(logits.detach().float())
             assert batch.loss_mask is not None
             if case.output == "logits":
@@ -437,6 +464,8 @@ def run_hooked(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad
         run.mtp.append([] if tracked is None else tracked.tolist())
         metrics = hooks.metrics()
         run.metrics.append([metrics.get(f"mtp_{k}/loss", float("nan")) for k in range(1, depth + 1)])
+        if case.accept != "off":
+            run.acceptance.append(hooked_acceptance(metrics))
         assert batch.loss_mask is not None
         if case.output == "logits":
             run.logits.append(out.detach().float())
@@ -497,6 +526,15 @@ def compare(case: Case, hooked: Run, stock: Run, reference: Optional[Run]) -> No
             else:
                 for k in range(len(expected)):
                     within_stock_error(f"{message}, depth {k + 1}", torch.tensor(ours[k]), torch.tensor(expected[k]), torch.tensor(reference.mtp[index][k]), case.dtype)
+    assert len(hooked.acceptance) == len(stock.acceptance) == (case.n_micro if case.accept != "off" else 0), f"{where}acceptance metrics"
+    for index, (ours, theirs) in enumerate(zip(hooked.acceptance, stock.acceptance)):
+        message = f"{where}micro-batch {index}: acceptance metrics {ours} vs {theirs}"
+        assert ours.keys() == theirs.keys(), message
+        for key, value in theirs.items():
+            if reference is None:
+                torch.testing.assert_close(torch.tensor(ours[key]), torch.tensor(value), **FP32, msg=lambda m: f"{message}: {key}: {m}")
+            else:
+                within_stock_error(f"{message}: {key}", torch.tensor(ours[key]), torch.tensor(value), torch.tensor(reference.acceptance[index][key]), case.dtype)
     assert hooked.grads.keys() == stock.grads.keys()
     failures = []
     for name, theirs in stock.grads.items():
