@@ -58,7 +58,7 @@ class LeanLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -129,7 +129,7 @@ class LeanLogProbs(torch.autograd.Function):
             grad.scatter_add_(-1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
-            if need_hidden:
+            if d_hidden is not None:
                 rounded = log_q_space.rounded(grad, weight.dtype)
                 torch.addmm(d_hidden, rounded.to(dtype), weight[cols].to(dtype), out=d_hidden)
                 del rounded
@@ -161,12 +161,12 @@ class _ZeroGradientTo(torch.autograd.Function):
     """Copies of ``outputs``; backward passes their gradients on and hands ``sink`` zeros."""
 
     @staticmethod
-    def forward(ctx: Any, sink: Tensor, *outputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, sink: Tensor, *outputs: Tensor) -> tuple[Tensor, ...]:
         ctx.sink = (sink.shape, sink.dtype, sink.device)
         return tuple(output.clone() for output in outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, ...]:
         shape, dtype, device = ctx.sink
         return (torch.zeros(shape, dtype=dtype, device=device), *grads)
 

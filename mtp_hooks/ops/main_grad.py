@@ -67,7 +67,8 @@ class HeadWeightGrad:
     """
 
     def __init__(self, weight: Tensor, main_grad_protocol: bool, input_dtype: torch.dtype) -> None:
-        self.main_grad: Optional[Tensor] = weight.main_grad if main_grad_protocol else None
+        # ``main_grad``: the attribute mcore's DDP sets on its parameters (not a Tensor attribute).
+        self.main_grad: Optional[Tensor] = getattr(weight, "main_grad") if main_grad_protocol else None
         self._weight = weight if main_grad_protocol else None
         self._shape, self._dtype, self._device = weight.shape, weight.dtype, weight.device
         self._input_dtype = input_dtype

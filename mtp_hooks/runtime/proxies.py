@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, SupportsIndex
 
 import wrapt
 
@@ -60,7 +60,7 @@ def _view_class(cls: type, field: str) -> type:
 
 def config_view(config: Any, live: Callable[[], bool], field: str = "mtp_num_layers") -> Any:
     """``config`` seen with ``field = None`` while ``live()`` is true (module docstring)."""
-    view = object.__new__(_view_class(type(config), field))
+    view: Any = object.__new__(_view_class(type(config), field))
     object.__setattr__(view, "__dict__", config.__dict__)
     object.__setattr__(view, "_mtp_hooks_real", config)
     object.__setattr__(view, "_mtp_hooks_live", live)
@@ -71,10 +71,10 @@ def is_config_view(value: Any) -> bool:
     return type(value) in _VIEW_CLASSES.values()
 
 
-class ForwardOnlyProxy(_ObjectProxy):  # type: ignore[misc]
+class ForwardOnlyProxy(_ObjectProxy):
     """A proxy that lives inside one forward: copying or pickling it is refused."""
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         raise TypeError(f"{type(self).__name__} lives for one forward and is not meant to be copied")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
