@@ -23,4 +23,4 @@ with _warnings.catch_warnings():
     from mtp_hooks.targets import mtp_targets
 
 __all__ = ["MTPHooks", "MTPHooksError", "MTPHooksStateError", "TokenLogProbs", "attach", "attached", "hooks_of", "mtp_targets"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
