@@ -69,7 +69,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "per_token": (False, True),
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
-    "chain": ("none", "k2_argmax", "k3", "k4_argmax"),
+    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax"),
 }
 LAYOUTS = ("tp", "sp", "cp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -119,9 +119,9 @@ class Case:
             options.update(output="logprobs", entropy="entropy" in self.output)
             if self.output.endswith("_t0.7"):
                 options["temperature"] = TEMPERATURE
-        steps, inputs = CHAIN[self.chain]
+        steps, inputs, draft_layers = CHAIN[self.chain]
         if self.chain != "none":
-            options.update(draft_steps=steps, draft_inputs=inputs)
+            options.update(draft_steps=steps, draft_inputs=inputs, draft_layers=draft_layers)
         return options
 
     @property
@@ -149,8 +149,14 @@ class Case:
             parts.append(f"stock has no {', '.join(flags)}: its twin gets the definition by pre-hooks ({'; '.join(what)})")
         if self.output != "logits":
             parts.append(f"log-probs: log_softmax(stock logits / {self.temperature}) at the labels" + (" and their entropy" if "entropy" in self.output else ""))
-        steps, inputs = CHAIN[self.chain]
-        if self.chain != "none":
+        steps, inputs, draft_layers = CHAIN[self.chain]
+        if self.chain != "none" and draft_layers == "first":
+            parts.append(
+                f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps}), the block's "
+                f"layer-2 output dropped, the first layer called {steps - 1} more times on the block's arguments for it"
+                + (", every later step embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
+            )
+        elif self.chain != "none":
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps})"
                 + (f", the last layer called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")
