@@ -56,11 +56,17 @@ class ChainCall:
 
 class DraftEmbedding(ForwardOnlyProxy):
     """An embedding module called with the chain's draft tokens ``[b, s]`` in place of the input
-    ids the MTP layer rolled (the positions it rolled are kept)."""
+    ids the MTP layer rolled (the positions it rolled are kept). Built by ``of``: wrapt's own
+    constructor, then the tokens, which ``torch.compile`` traces (it cannot trace a subclass's
+    ``__init__`` calling wrapt's)."""
 
-    def __init__(self, embedding: Any, tokens: Tensor) -> None:
-        super().__init__(embedding)
-        self._self_tokens = tokens
+    _self_tokens: Tensor
+
+    @classmethod
+    def of(cls, embedding: Any, tokens: Tensor) -> DraftEmbedding:
+        proxy = cls(embedding)
+        proxy._self_tokens = tokens
+        return proxy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         if "input_ids" in kwargs:
@@ -132,7 +138,7 @@ def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dic
     if chain.draft_head is None:
         chain.draft_head = draft_head(forward.model, options.chunk_size)
     temperature = options.draft_temperature if options.draft_inputs == "sample" else None
-    kwargs["embedding"] = DraftEmbedding(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
+    kwargs["embedding"] = DraftEmbedding.of(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
 
 
 def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
