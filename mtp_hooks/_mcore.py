@@ -76,6 +76,39 @@ def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, co
         MTPLossLoggingHelper.save_loss_to_tracker(loss, depth_index, depth, avg_group=avg_group)
 
 
+class TrackerGrowth:
+    """Undoes what a chain of more draft steps than the model's depths did to mcore's process-wide
+    tracker (``_fit_tracker`` grows it): ``note`` before the chain first records, ``undo`` at
+    ``remove`` cuts the per-depth tensors back to the length they had, or drops them where there
+    was no tracker (stock then makes them at its own depth). What the chain's later steps recorded
+    and nobody read yet goes with them."""
+
+    def __init__(self) -> None:
+        self._noted = False
+        self._length: Optional[int] = None
+
+    def note(self) -> None:
+        if not self._noted:
+            self._noted, self._length = True, _tracker_length()
+
+    def undo(self) -> None:
+        if not self._noted:
+            return
+        self._noted = False
+        tracker = MTPLossLoggingHelper.tracker
+        for key, value in list(tracker.items()):
+            if isinstance(value, Tensor) and value.dim() == 1 and (self._length is None or value.shape[0] > self._length):
+                if self._length is None:
+                    del tracker[key]
+                else:
+                    tracker[key] = value[: self._length].clone()
+
+
+def _tracker_length() -> Optional[int]:
+    lengths = [v.shape[0] for v in MTPLossLoggingHelper.tracker.values() if isinstance(v, Tensor) and v.dim() == 1]
+    return max(lengths) if lengths else None
+
+
 def _fit_tracker(depth: int) -> None:
     """Grow the tracker's per-depth tensors to ``depth`` entries (zeros added), for a chain of more
     draft steps than the depths a stock forward (or another model) recorded before."""

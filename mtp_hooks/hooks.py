@@ -60,6 +60,8 @@ class ForwardHooks:
         self.depth: int = options.steps(model.config)  # draft steps trained: the layers, or ``draft_steps``
         self.plan = chain.Plan.of(self.depth, model.config, len(model.mtp.layers) if model.mtp_process else 1, options.draft_layers)
         self.metrics = MTPMetrics(self.depth)
+        # A chain past the model's N depths grows mcore's process-wide tracker; ``close`` undoes it.
+        self._tracker = _mcore.TrackerGrowth() if self.depth > model.config.mtp_num_layers else None
         self.loss_path: Optional[str] = None  # of the last completed training forward
         self.binding = ModelBinding(model, model.config, bool(model.mtp_process), options.validate)
         self._arguments = CallArguments(model)
@@ -174,13 +176,9 @@ class ForwardHooks:
         return None
 
     def _count(self, model: nn.Module, losses: mtp_loss.Losses) -> None:
-        """Add a completed training forward's metrics."""
+        """Add a completed training forward's metrics; stock mcore tracks only in training mode."""
         self.loss_path = losses.path
-        for entry in losses.metrics:
-            self.metrics.add(*entry)
-            if model.training:  # stock mcore tracks only in training mode
-                k, ce_sum, tokens, correct = entry[:4]
-                _mcore.track_depth(k, self.depth, ce_sum, tokens, correct)
+        mtp_loss.count(losses, self.metrics, self.depth, model.training, self._tracker)
 
     # ------------------------------------------------------------------ the submodules' hooks
     def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -289,7 +287,14 @@ class ForwardHooks:
             logprobs.on_head_post(fwd.scoring, args[0], output)
         return None
 
-    # ------------------------------------------------------------------ micro-batches
+    # ------------------------------------------------------------------ micro-batches, removal
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any) -> MicroBatch:
         binding = self.binding
         return binding.micro_batches.arm(labels, loss_mask, loss_scale, binding.flight.recover_abandoned)
+
+    def close(self) -> None:
+        """For ``remove``: the model stock again (``ModelBinding.close``) and mcore's tracker back to
+        the depths it held before this chain grew it."""
+        self.binding.close()
+        if self._tracker is not None:
+            self._tracker.undo()
