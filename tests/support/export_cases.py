@@ -6,7 +6,7 @@ Test-only support:
   hold them (gated SwiGLU MLPs; DeepSeek's latent q / kv norms, sigmoid router with expert bias);
 * ``transformer_engine_names``: a local-spec state dict under the names a Transformer Engine spec
   gives the same tensors (fused norms, grouped-GEMM experts), as mcore's TE specs name them;
-* ``mbridge_mtp_pairs``: mbridge's own mcore -> HF conversion of a model's MTP tensors, tensor by
+* ``mbridge_pairs``: mbridge's own mcore -> HF conversion of a model's MTP tensors, tensor by
   tensor (``_weight_to_hf_format`` at world size 1; its ``export_weights`` needs CUDA), after the
   Transformer-Engine renaming its tables expect;
 * ``hf_decoder_layers``: transformers' own model of a family with L + N decoder layers, whose layers
@@ -88,11 +88,13 @@ def mtp_state(model: torch.nn.Module) -> dict[str, Tensor]:
     return {name: tensor for name, tensor in model.state_dict().items() if name.startswith("mtp.") and not name.endswith("_extra_state")}
 
 
-def mbridge_mtp_pairs(bridge: Any, model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """mbridge's HF pairs of the model's MTP tensors (its ``_weight_to_hf_format``, tensor by tensor)."""
-    config = model.config
-    state = mtp_state(model)
-    renamed = transformer_engine_names(state, bool(getattr(config, "multi_latent_attention", False)))
+def mbridge_pairs(bridge: Any, model: torch.nn.Module, mtp_only: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """mbridge's HF pairs of the model's MTP tensors (``mtp_only=False``: of all its tensors), its
+    ``_weight_to_hf_format`` tensor by tensor after the Transformer-Engine renaming."""
+    state = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+    if mtp_only:
+        state = {name: t for name, t in state.items() if name.startswith("mtp.")}
+    renamed = transformer_engine_names(state, bool(getattr(model.config, "multi_latent_attention", False)))
     for name, tensor in renamed.items():
         names, tensors = bridge._weight_to_hf_format(name, tensor)
         yield from zip(names, tensors)
