@@ -19,7 +19,8 @@ passes a weight stream through without its MTP pairs and appends ours.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator, Optional, Union
+from types import MappingProxyType
+from typing import Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -35,13 +36,13 @@ __all__ = ["BridgeExportError", "check_bridge_export", "replace_mtp_weights"]
 # per-layer copies of the embedding and head): not MTP tensors, the bridge's own to check.
 SHARED_LEAVES = ("embed_tokens.weight", "shared_head.head.weight")
 
-KNOWN_DEFECTS = {
+KNOWN_DEFECTS: Mapping[str, str] = MappingProxyType({
     "swapped": "the input projection's halves are not swapped: MiMo's input_proj reads cat(hidden, embedding), "
     "mcore's eh_proj cat(embedding, hidden) (mbridge 0.15.1's MiMo export)",
     "61": "the MTP layer is written as decoder layer 61 whatever the model's layer count "
     "(mbridge 0.15.1's DeepSeek-V3 mapping, written for DeepSeek-V3's 61 layers)",
     "same": "every MTP layer is written under the first MTP layer's names (mbridge 0.15.1's GLM-4.5 mapping)",
-}
+})
 
 
 class BridgeExportError(MTPHooksError):

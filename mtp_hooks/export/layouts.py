@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 from mtp_hooks.errors import MTPHooksError, bad_argument, describe
 
@@ -67,13 +68,13 @@ class Layout:
         return number - num_layers if number >= num_layers else None
 
 
-LAYOUTS: dict[str, Layout] = {
+LAYOUTS: Mapping[str, Layout] = MappingProxyType({
     layout.name: layout
     for layout in (
         Layout("deepseek_v3", "model.layers.{n}.", ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"), False, "DeepSeek-V3, GLM-4.5, GLM-4.7-Flash"),
         Layout("mimo", "model.mtp_layers.{i}.", ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"), True, "MiMo"),
     )
-}
+})
 
 
 def layout_named(layout: Any) -> Layout:
