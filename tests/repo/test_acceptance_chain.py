@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import mtp_hooks
-from benchmarks import acceptance, models
-from benchmarks.acceptance_chain import ChainProbe, chain_forward, chain_speculative_sampling, parse_variant, training_options, verify
-from benchmarks.acceptance_task import WORD_PROMPT, WordLanguage
+from benchmarks import models
+from benchmarks.acceptance import experiment as acceptance
+from benchmarks.acceptance.chain import ChainProbe, chain_forward, chain_speculative_sampling, parse_variant, training_options, verify
+from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage
 
 WORDS = dataclasses.replace(acceptance.SETTINGS["words"]["smoke"], mtp=1, chain=3)
 needs_tokenizers = pytest.mark.skipif(

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import mtp_hooks
-from benchmarks import acceptance, acceptance_code, acceptance_pretrain, models
-from benchmarks.acceptance_spec import DraftCapture, chain_tokens_per_step, speculative_sampling
-from benchmarks.acceptance_task import WORD_PROMPT, WordLanguage
+from benchmarks import models
+from benchmarks.acceptance import code_task as acceptance_code, experiment as acceptance, pretrain as acceptance_pretrain
+from benchmarks.acceptance.drafts import DraftCapture, chain_tokens_per_step, speculative_sampling
+from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage
 
 SMALL = dataclasses.replace(acceptance.SETTINGS["words"]["smoke"], rl_steps=2, eval_every=1)
 CODE = acceptance.SETTINGS["code"]["smoke"]

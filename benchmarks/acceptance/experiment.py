@@ -10,14 +10,14 @@ replayed in variants that differ only in the draft:
   with ``detach_encoder=True, detach_head=True``, so MTP trains on the rollouts while the policy's
   gradients stay its own.
 
-Tasks (``benchmarks.acceptance_task.Task``): ``code`` (the default; ``benchmarks/acceptance_code.py``):
+Tasks (``benchmarks.acceptance.task.Task``): ``code`` (the default; ``benchmarks/acceptance/code_task.py``):
 the interpreter's own standard library, a byte-level BPE, function-definition prompts and a reward
 verified on the generated code (it must parse, and double quotes score), run at rollout temperatures
 T = 1.0 and 0.7 with the drafts trained at the same T; ``words``: the synthetic 12-word language
-(``benchmarks/acceptance_task.py``, V = 32, T = 1.0, the four original variants).
+(``benchmarks/acceptance/task.py``, V = 32, T = 1.0, the four original variants).
 ``--task code --config chain``: an N = 1 model, variants that also train a chain of k = 3 draft
 steps (``ce+tf`` teacher-forced, ``ce+chain`` / ``accept+chain`` on their own sampled drafts), and
-every variant evaluated drafting k = 3 steps as an engine does (``benchmarks/acceptance_chain.py``).
+every variant evaluated drafting k = 3 steps as an engine does (``benchmarks/acceptance/chain.py``).
 
 Main and MTP parameters have separate Adam optimizers, rollouts come from one seeded generator,
 and after every step the main parameters of all variants are checked to be bit-identical: the
@@ -25,11 +25,11 @@ policy trajectory is the same, only the draft differs. Every few steps, on fresh
 current policy from held-out prompts (their own generator, never trained on), each variant reports
 per depth the expected acceptance ``sum_v min(p, q)`` and top-1 agreement of a training-style
 forward that is never backpropagated, the hooks' expected accepted length ``mtp/accept_len``, and
-runs a real speculative sampling loop (``benchmarks/acceptance_spec.py``). The policy's reward and
+runs a real speculative sampling loop (``benchmarks/acceptance/drafts.py``). The policy's reward and
 its KL to the pretrained policy are recorded per step.
 
 The experiment is repeated for each of ``--seeds`` (default 0, 1, 2); tables give the mean and
-min–max over seeds (``benchmarks/acceptance_report.py``). Pretrained models of the code task are
+min–max over seeds (``benchmarks/acceptance/report.py``). Pretrained models of the code task are
 cached per seed under ``bench-out/acceptance-cache/`` (with the tokenizer and token streams), so
 reruns skip pretraining. ``--seeds 0 --out A``, ``--seeds 1 --out B``, ... run as separate processes
 (side by side on separate cores), then ``--merge A B ... --out C`` joins them into one record.
@@ -56,10 +56,11 @@ from torch import Tensor, nn  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  # noqa: E402
 
 import mtp_hooks  # noqa: E402
-from benchmarks import acceptance_report, models  # noqa: E402
-from benchmarks.acceptance_chain import evaluate_chain, training_options  # noqa: E402
-from benchmarks.acceptance_code import CodeTask  # noqa: E402
-from benchmarks.acceptance_spec import (  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.acceptance import report as acceptance_report  # noqa: E402
+from benchmarks.acceptance.chain import evaluate_chain, training_options  # noqa: E402
+from benchmarks.acceptance.code_task import CodeTask  # noqa: E402
+from benchmarks.acceptance.drafts import (  # noqa: E402
     DraftCapture,
     chain_tokens_per_step,
     device_of,
@@ -68,9 +69,9 @@ from benchmarks.acceptance_spec import (  # noqa: E402
     positions,
     speculative_sampling,
 )
-from benchmarks.acceptance_pretrain import forward, pretrained  # noqa: E402
-from benchmarks.acceptance_settings import CHAIN_VARIANTS, CODE_VARIANTS, SETTINGS, WORD_VARIANTS, Setting, config, overrides, shape_of  # noqa: E402
-from benchmarks.acceptance_task import WordTask, group_advantages, next_token_targets, policy_gradient_loss, sample_rollouts  # noqa: E402
+from benchmarks.acceptance.pretrain import forward, pretrained  # noqa: E402
+from benchmarks.acceptance.settings import CHAIN_VARIANTS, CODE_VARIANTS, SETTINGS, WORD_VARIANTS, Setting, config, overrides, shape_of  # noqa: E402
+from benchmarks.acceptance.task import WordTask, group_advantages, next_token_targets, policy_gradient_loss, sample_rollouts  # noqa: E402
 
 SEEDS = (0, 1, 2)
 CACHE = Path("bench-out/acceptance-cache")

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from benchmarks.acceptance_spec import SpeculativeStats, _residual_sample, chain_tokens_per_step, device_of, expected_acceptance, positions
-from benchmarks.acceptance_task import next_token_targets
+from benchmarks.acceptance.drafts import SpeculativeStats, _residual_sample, chain_tokens_per_step, device_of, expected_acceptance, positions
+from benchmarks.acceptance.task import next_token_targets
 
 OBJECTIVES = ("frozen", "ce", "distill", "tv", "accept")
 CHAIN_MODES = {"": None, "+tf": "labels", "+chain": "sample"}

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from benchmarks.acceptance_task import next_token_targets
+from benchmarks.acceptance.task import next_token_targets
 
 
 def positions(tokens: Tensor) -> Tensor:

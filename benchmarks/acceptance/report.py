@@ -269,7 +269,7 @@ def _is_chain(result: dict[str, Any]) -> bool:
 
 def markdown(result: dict[str, Any]) -> str:
     if _is_chain(result):
-        from benchmarks.acceptance_chain_report import markdown_chain
+        from benchmarks.acceptance.chain_report import markdown_chain
 
         return markdown_chain(result)
     return markdown_code(result) if "temperatures" in result else markdown_words(result)
@@ -283,7 +283,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         for temperature, record in result["temperatures"].items():
             plot(record, out / f"acceptance-T{temperature}.png", title=f"T = {temperature}: ")
     elif _is_chain(result):
-        from benchmarks.acceptance_chain_report import plot_chain
+        from benchmarks.acceptance.chain_report import plot_chain
 
         plot_chain(result, out / "acceptance-chain.png")
     else:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks.acceptance_report import _fmt, _ms, _spread
+from benchmarks.acceptance.report import _fmt, _ms, _spread
 
 # (chain-trained, its teacher-forced counterpart) pairs the verdict compares.
 PAIRS = (("ce+chain", "ce+tf"), ("accept+chain", "accept"), ("ce+chain", "ce"))
