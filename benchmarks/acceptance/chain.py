@@ -3,15 +3,17 @@
 Variants ``<objective>[+tf|+chain]`` (``parse_variant``): plain, the N layers train teacher-forced
 (mcore's own training); ``+tf``: ``attach(draft_steps=k, draft_inputs="labels")``, the chain of k
 steps on the data's tokens; ``+chain``: ``draft_inputs="sample"`` at the rollout temperature, the
-chain on its own sampled drafts. Every variant is evaluated the same way (``evaluate_chain``):
+chain on its own sampled drafts. Every variant is evaluated the same way
+(``benchmarks.acceptance.evaluate.evaluate_chain``):
 
 * expected acceptance per step along the own-draft chain: a never-backpropagated forward under
   eval hooks ``attach(draft_steps=k, draft_inputs="sample", agreement_metrics=True)``, whose
   ``mtp_j/accept`` is ``sum_v min(p, q_j)`` with q_j fed step j - 1's own sampled draft;
-* ``chain_speculative_sampling``: a k-step speculative sampling loop that drafts as an engine
-  does. From the last target token, step 1 is MTP layer 1 on the main hidden state and that
-  token; steps 2..k call the last MTP layer again on the previous step's output hidden state and
-  the previous step's own sampled draft. The drafts of steps 1..k-1 are the ones the eval hooks
+* ``chain_speculative_sampling``: the k-step speculative sampling loop of
+  ``mtp_hooks.testing.speculative`` with ``chain_drafter`` drafting as an engine does. From the last
+  target token, step 1 is MTP layer 1 on the main hidden state and that token; steps 2..k call the
+  last MTP layer again on the previous step's output hidden state and the previous step's own
+  sampled draft. The drafts of steps 1..k-1 are the ones the eval hooks
   fed the next step (read at the embedding's calls), step k's is drawn here; one target forward
   verifies all k (accept with ``min(1, p/q)``, resample the first rejected from
   ``max(p - q, 0)``, or add the target's bonus token).
@@ -22,15 +24,15 @@ geometry, as the hooks train it); an engine's cache would hold step 1's states t
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from benchmarks.acceptance.drafts import SpeculativeStats, _residual_sample, chain_tokens_per_step, device_of, expected_acceptance, positions
+from benchmarks.acceptance.drafts import device_of, positions
 from benchmarks.acceptance.task import next_token_targets
+from mtp_hooks.testing.speculative import Drafter, Proposal, SpeculativeStats, speculative_sampling
 
 OBJECTIVES = ("frozen", "ce", "distill", "tv", "accept")
 CHAIN_MODES = {"": None, "+tf": "labels", "+chain": "sample"}
@@ -107,54 +109,21 @@ def _probs(hidden: Tensor, weight: Tensor, rows: Tensor, at: Tensor, temperature
     return torch.softmax((h @ weight.t()).float() / temperature, dim=-1).cpu()
 
 
-def verify(p: Tensor, q: Tensor, drafts: Tensor, bonus: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """Speculative sampling's verification of k drafts per row: ``p``, ``q`` ``[r, k, V]`` (target and
-    draft at each drafted position), ``drafts`` ``[r, k]``, ``bonus`` ``[r, V]`` (the target after all k).
-
-    Returns ``ok`` ``[r, k]`` (draft j accepted, all before it too), the tokens ``[r, k + 1]`` to
-    append (the first ``1 + ok.sum(1)`` of each row count) and the exact acceptance ``sum_v min(p, q)`` ``[r, k]``.
-    """
-    rows, k = drafts.shape
-    idx = torch.arange(rows)
-    u = torch.rand(rows, k, generator=gen)
-    ratio = torch.stack([(p[idx, j, drafts[:, j]] / q[idx, j, drafts[:, j]]).clamp(max=1) for j in range(k)], dim=1)
-    ok = torch.cumprod((u < ratio).long(), dim=1).bool()
-    fixes = torch.stack([_residual_sample(p[:, j], q[:, j], gen) for j in range(k)], dim=1)
-    extra = torch.multinomial(bonus, 1, generator=gen).squeeze(-1)
-    accepted = ok.sum(1)
-    tokens = torch.cat([drafts, torch.zeros(rows, 1, dtype=drafts.dtype)], dim=1)
-    tokens[idx, accepted] = torch.where(accepted == k, extra, fixes[idx, accepted.clamp(max=k - 1)])
-    return ok, tokens, torch.minimum(p, q).sum(-1)
-
-
-def chain_speculative_sampling(
-    model: nn.Module, hooks: mtp_hooks.MTPHooks, probe: ChainProbe, prompts: Tensor, length: int, gen: torch.Generator,
-    temperature: float, steps: int, seed: int,
-) -> SpeculativeStats:
-    """Generate from the main head at ``temperature`` with a ``steps``-step draft chain drafting as an
-    engine does (module docstring); ``hooks`` are the eval hooks. The hooks' own draws use torch's
-    default generator, seeded per verification step from ``seed`` (restored after), the loop's
-    from ``gen``. Full recompute per forward (small models)."""
-    if model.config.mtp_num_layers != 1:
-        raise ValueError(f"chain_speculative_sampling: expected an N = 1 model (every step a call of its one MTP layer), got N = {model.config.mtp_num_layers}")
-    rows, start = prompts.shape
-    buffer = torch.zeros(rows, length + 1, dtype=torch.long)
-    buffer[:, :start] = prompts
-    n = torch.full((rows,), start)
-    stats = SpeculativeStats([0] * steps, [0] * steps, [0.0] * steps)
-    idx = torch.arange(rows)
+def chain_drafter(model: nn.Module, hooks: mtp_hooks.MTPHooks, probe: ChainProbe, prompt: int, gen: torch.Generator,
+                  temperature: float, steps: int, seed: int) -> Drafter:
+    """A ``steps``-step draft chain of an N = 1 model drafting as an engine does (module docstring), as the
+    draft of ``speculative_sampling``; ``hooks`` are the eval hooks. Their own draws use torch's default
+    generator, seeded per verification step from ``seed`` (restored after); step k's draft comes from ``gen``."""
     device = device_of(model)
     weight = model.output_layer.weight.detach()
     devices = [device.index or 0] if device.type == "cuda" else []
-    for step in range(length):
-        active = n <= length - steps  # room for the k drafts and the target's token
-        if not bool(active.any()):
-            return stats
-        at = torch.where(active, n, start)  # finished rows: any in-range position, results unused
+
+    def draft(buffer: Tensor, at: Tensor, step: int) -> Proposal:
+        idx = torch.arange(buffer.shape[0])
         t = at - 2  # step j at t embeds the token at t + 1 (the last target token) and predicts t + j + 1
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed * 100_003 + step)
-            chain_forward(model, hooks, probe, buffer, start, steps)
+            chain_forward(model, hooks, probe, buffer, prompt, steps)
         q = torch.stack([_probs(h, weight, idx, t, temperature) for h in probe.hidden], dim=1)
         fed = [probe.ids[j][idx.to(device), t.to(device)].cpu() for j in range(2, steps + 1)]
         drafts = torch.stack(fed + [torch.multinomial(q[:, -1], 1, generator=gen).squeeze(-1)], dim=1)
@@ -165,57 +134,21 @@ def chain_speculative_sampling(
             ids = proposed.to(device)
             logits = model(ids, positions(ids), None)
         picked = torch.stack([logits[idx.to(device), (at - 1 + j).to(device)].float().cpu() for j in range(steps + 1)], dim=1)
-        p = torch.softmax(picked / temperature, dim=-1)
-        ok, tokens, overlap = verify(p[:, :steps], q, drafts, p[:, steps], gen)
-        tried = torch.cat([active[:, None], active[:, None] & ok[:, :-1]], dim=1)
-        for j in range(steps):
-            stats.tried[j] += int(tried[:, j].sum())
-            stats.accepted[j] += int((tried[:, j] & ok[:, j]).sum())
-            stats.expected[j] += float(overlap[:, j][tried[:, j]].sum())
-        new = 1 + ok.sum(1)
-        stats.steps += int(active.sum())
-        stats.tokens += int(new[active].sum())
-        for r in idx[active].tolist():
-            s, count = int(n[r]), int(new[r])
-            buffer[r, s : s + count] = tokens[r, :count]
-            n[r] = s + count
-    return stats
+        return Proposal(drafts, q, torch.softmax(picked / temperature, dim=-1))
+
+    return draft
 
 
-def evaluate_chain(arm: Any, rollouts: Tensor, setting: Any, seed: int, temperature: float) -> dict[str, Any]:
-    """Held-out draft quality of one variant drafting ``setting.chain`` steps: the hooks' own-draft
-    chain metrics and the engine-style loop. The arm's training hooks are swapped for eval hooks
-    for the evaluation and re-attached after (its optimizers hold the parameters: unaffected)."""
-    steps, model = setting.chain, arm.model
-    arm.hooks.remove()
-    hooks = mtp_hooks.attach(model, draft_steps=steps, draft_inputs="sample", draft_temperature=temperature, agreement_metrics=True)
-    probe = ChainProbe(model)
-    try:
-        _, mask = next_token_targets(rollouts, setting.prompt)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            logits, metrics = chain_forward(model, hooks, probe, rollouts, setting.prompt, steps)
-        weight = model.output_layer.weight.detach()
-        with torch.no_grad():
-            main = torch.log_softmax(logits.float() / temperature, dim=-1)
-            drafts = [torch.log_softmax((h @ weight.t()).transpose(0, 1).float() / temperature, dim=-1) for h in probe.hidden]
-        accepts = [metrics[f"mtp_{j}/accept"] for j in range(1, steps + 1)]
-        own = expected_acceptance(main, drafts, mask)
-        del main, drafts, logits
-        spec = chain_speculative_sampling(model, hooks, probe, rollouts[:, : setting.prompt], setting.seq,
-                                          torch.Generator().manual_seed(seed), temperature, steps, seed)
-    finally:
-        probe.remove()
-        hooks.remove()
-        arm.hooks = mtp_hooks.attach(model, **training_options(arm.name, temperature, steps))
-    return {
-        "accept": accepts,
-        "agree": [metrics[f"mtp_{j}/agree"] for j in range(1, steps + 1)],
-        "accept_len": metrics.get("mtp/accept_len", math.nan),
-        "accept_recomputed_max_diff": max(abs(a - b) for a, b in zip(accepts, own)),
-        "tokens_per_step": chain_tokens_per_step(accepts),
-        **spec.summary(),
-    }
+def chain_speculative_sampling(
+    model: nn.Module, hooks: mtp_hooks.MTPHooks, probe: ChainProbe, prompts: Tensor, length: int, gen: torch.Generator,
+    temperature: float, steps: int, seed: int,
+) -> SpeculativeStats:
+    """Generate from the main head at ``temperature`` with ``chain_drafter``'s ``steps`` drafts per
+    verification step, until no row has room for them and the target's token within ``length`` tokens."""
+    if model.config.mtp_num_layers != 1:
+        raise ValueError(f"chain_speculative_sampling: expected an N = 1 model (every step a call of its one MTP layer), got N = {model.config.mtp_num_layers}")
+    drafter = chain_drafter(model, hooks, probe, prompts.shape[1], gen, temperature, steps, seed)
+    return speculative_sampling(drafter, prompts, length, steps, gen)[1]
 
 
-__all__ = ["ChainProbe", "chain_forward", "chain_speculative_sampling", "evaluate_chain", "parse_variant", "training_options", "verify"]
+__all__ = ["ChainProbe", "chain_drafter", "chain_forward", "chain_speculative_sampling", "parse_variant", "training_options"]

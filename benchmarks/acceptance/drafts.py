@@ -1,15 +1,14 @@
-"""Draft distributions of a hooked model, their expected acceptance, and a real speculative sampling loop.
+"""Draft distributions of a hooked model's MTP depths, their expected acceptance, and those depths drafting.
 
 Everything is at the sampler's temperature ``T``: target ``p = softmax(z_main / T)``, draft
 ``q_k = softmax(z_mtp_k / T)``, as an engine sampling at ``T`` verifies (and as the hooks'
 ``draft_temperature`` scores). Tokens and the random draws stay on the CPU (one seeded generator);
-the model may sit on a GPU, and only the rows the loop needs are copied back.
+the model may sit on a GPU, and only the rows the loop needs are copied back. The speculative loop
+itself is ``mtp_hooks.testing.speculative``'s; here are the depths as its drafter.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from benchmarks.acceptance.task import next_token_targets
+from mtp_hooks.testing.speculative import Drafter, Proposal, SpeculativeStats, speculative_sampling
 
 
 def positions(tokens: Tensor) -> Tensor:
@@ -93,78 +93,29 @@ def chain_tokens_per_step(accepts: list[float]) -> float:
     return total
 
 
-def _residual_sample(p: Tensor, q: Tensor, gen: torch.Generator) -> Tensor:
-    """Speculative sampling's correction: a draw from ``max(p - q, 0)`` normalised (``p`` if empty)."""
-    residual = (p - q).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p)
-    return torch.multinomial(residual, 1, generator=gen).squeeze(-1)
-
-
-@dataclasses.dataclass
-class SpeculativeStats:
-    """Counts of a speculative sampling run: per depth drafts tried and accepted, and the summed exact
-    acceptance probability ``sum_v min(p, q)`` of the drafts tried; verification steps and tokens."""
-
-    tried: list[int]
-    accepted: list[int]
-    expected: list[float]
-    steps: int = 0
-    tokens: int = 0
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "realised_accept": [a / t if t else math.nan for a, t in zip(self.accepted, self.tried)],
-            "expected_at_tried": [e / t if t else math.nan for e, t in zip(self.expected, self.tried)],
-            "tried": list(self.tried),
-            "realised_tokens_per_step": self.tokens / self.steps if self.steps else math.nan,
-            "steps": self.steps,
-        }
-
-
 def _rows(x: Tensor, idx: Tensor, at: Tensor) -> Tensor:
     """``x[idx, at]`` as fp32 probabilities on the CPU (``x`` holds log-probs, on any device)."""
     return x[idx.to(x.device), at.to(x.device)].exp().float().cpu()
 
 
-def speculative_sampling(
-    model: nn.Module,
-    hooks: mtp_hooks.MTPHooks,
-    capture: DraftCapture,
-    prompts: Tensor,
-    length: int,
-    gen: torch.Generator,
-    temperature: float = 1.0,
-) -> SpeculativeStats:
-    """Generate from the main head at ``temperature`` with the MTP chain as the draft (standard
-    speculative sampling, draft and target both tempered).
+def depth_drafter(model: nn.Module, hooks: mtp_hooks.MTPHooks, capture: DraftCapture, prompt: int, gen: torch.Generator,
+                  temperature: float = 1.0) -> Drafter:
+    """The two MTP depths of an N = 2 model as the draft of ``speculative_sampling``, both tempered.
 
-    Each verification step: the last token came from the target; depth 1 drafts the next token
-    from it, depth 2 the one after from depth 1's draft; the target accepts draft j with
-    probability ``min(1, p/q)`` while all before it were accepted, replaces the first rejected
-    one by a draw from ``max(p - q, 0)``, or adds its own next token when all are accepted.
-    Full recompute per forward (small models). Two-depth chains only.
+    The last token came from the target; depth 1 drafts the next token from it, depth 2 the one after
+    from depth 1's draft (a second forward with that draft in place, whose main head also gives the
+    target at the first two drafted positions); a third forward gives the target after both drafts.
     """
-    if model.config.mtp_num_layers != 2:
-        raise ValueError(f"speculative_sampling: expected a model with 2 MTP layers, got {model.config.mtp_num_layers}")
-    rows, start_len = prompts.shape
-    buffer = torch.zeros(rows, length + 2, dtype=torch.long)
-    buffer[:, :start_len] = prompts
-    n = torch.full((rows,), start_len)
-    stats = SpeculativeStats([0, 0], [0, 0], [0.0, 0.0])
-    idx = torch.arange(rows)
     device = device_of(model)
-    while True:
-        active = n <= length - 2  # room for d1, d2 and the target's token within the rollout length
-        if not bool(active.any()):
-            return stats
-        at = torch.where(active, n, start_len)  # finished rows: any in-range position, results unused
-        _, drafts, _ = draft_forward(model, hooks, capture, buffer, start_len, temperature)
+
+    def draft(buffer: Tensor, at: Tensor, step: int) -> Proposal:
+        idx = torch.arange(buffer.shape[0])
+        _, drafts, _ = draft_forward(model, hooks, capture, buffer, prompt, temperature)
         q1 = _rows(drafts[0], idx, at - 2)
         d1 = torch.multinomial(q1, 1, generator=gen).squeeze(-1)
         with_d1 = buffer.clone()
         with_d1[idx, at] = d1
-        main, drafts, _ = draft_forward(model, hooks, capture, with_d1, start_len, temperature)
+        main, drafts, _ = draft_forward(model, hooks, capture, with_d1, prompt, temperature)
         q2 = _rows(drafts[1], idx, at - 2)
         p1, p2 = _rows(main, idx, at - 1), _rows(main, idx, at)
         d2 = torch.multinomial(q2, 1, generator=gen).squeeze(-1)
@@ -174,25 +125,24 @@ def speculative_sampling(
             ids = with_d2.to(device)
             last = model(ids, positions(ids), None)[idx.to(device), (at + 1).to(device)].float().cpu()
         p3 = torch.softmax(last / temperature, dim=-1)
-        u = torch.rand(rows, 2, generator=gen)
-        ok1 = u[:, 0] < (p1[idx, d1] / q1[idx, d1]).clamp(max=1)
-        ok2 = ok1 & (u[:, 1] < (p2[idx, d2] / q2[idx, d2]).clamp(max=1))
-        fix1, fix2 = _residual_sample(p1, q1, gen), _residual_sample(p2, q2, gen)
-        bonus = torch.multinomial(p3, 1, generator=gen).squeeze(-1)
-        a1, a2 = torch.minimum(p1, q1).sum(-1), torch.minimum(p2, q2).sum(-1)
-        tried2 = active & ok1
-        stats.tried[0] += int(active.sum())
-        stats.accepted[0] += int((active & ok1).sum())
-        stats.expected[0] += float(a1[active].sum())
-        stats.tried[1] += int(tried2.sum())
-        stats.accepted[1] += int((tried2 & ok2).sum())
-        stats.expected[1] += float(a2[tried2].sum())
-        new_tokens = torch.where(ok1, torch.where(ok2, 3, 2), 1)
-        stats.steps += int(active.sum())
-        stats.tokens += int(new_tokens[active].sum())
-        for r in idx[active].tolist():
-            start = int(n[r])
-            seq = [int(fix1[r])] if not ok1[r] else ([int(d1[r]), int(fix2[r])] if not ok2[r] else [int(d1[r]), int(d2[r]), int(bonus[r])])
-            buffer[r, start : start + len(seq)] = torch.tensor(seq)
-            buffer[r, start + len(seq) :] = 0
-            n[r] = start + len(seq)
+        return Proposal(torch.stack([d1, d2], dim=1), torch.stack([q1, q2], dim=1), torch.stack([p1, p2, p3], dim=1))
+
+    return draft
+
+
+def depth_speculative_sampling(
+    model: nn.Module,
+    hooks: mtp_hooks.MTPHooks,
+    capture: DraftCapture,
+    prompts: Tensor,
+    length: int,
+    gen: torch.Generator,
+    temperature: float = 1.0,
+) -> SpeculativeStats:
+    """Generate from the main head at ``temperature`` with the MTP depths as the draft (standard
+    speculative sampling, draft and target both tempered; ``depth_drafter``) until no row has room for
+    two drafts and the target's token within ``length`` tokens. Two-depth models only."""
+    if model.config.mtp_num_layers != 2:
+        raise ValueError(f"depth_speculative_sampling: expected a model with 2 MTP layers, got {model.config.mtp_num_layers}")
+    drafter = depth_drafter(model, hooks, capture, prompts.shape[1], gen, temperature)
+    return speculative_sampling(drafter, prompts, length, 2, gen)[1]

@@ -1,6 +1,6 @@
 """``benchmarks/`` holds two benchmarks with no import cycle: the cost benchmark (``benchmarks``) never
-imports the acceptance benchmark (``benchmarks.acceptance``). Read from the source (every ``import``,
-also inside functions), so a lazy import counts too."""
+imports the acceptance benchmark (``benchmarks.acceptance``), and no module imports another's private
+names. Read from the source (every ``import``, also inside functions), so a lazy import counts too."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted((ROOT / PACKAGE).rglob("*.py"))}
 
 
-def imports(path: Path, known: set[str]) -> list[tuple[str, str]]:
-    """``(module, name)`` for every import of a ``benchmarks`` module in ``path``; ``name`` is the
+def imports(path: Path, known: set[str], roots: tuple[str, ...] = (PACKAGE,)) -> list[tuple[str, str]]:
+    """``(module, name)`` for every import in ``path`` of a module under ``roots``; ``name`` is the
     imported attribute (``""`` for a module imported whole)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == PACKAGE]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            out += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] in roots]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in roots:
             for alias in node.names:
                 submodule = f"{node.module}.{alias.name}"
                 out.append((submodule, "") if submodule in known else (node.module, alias.name))
@@ -79,3 +79,11 @@ def test_cost_benchmark_never_imports_the_acceptance_benchmark() -> None:
              for name, targets in graph().items() if not name.startswith(ACCEPTANCE)}
     assert {name: targets for name, targets in wrong.items() if targets} == {}
 
+
+def test_no_benchmark_imports_a_private_name_of_another_module() -> None:
+    """Neither of ``benchmarks`` nor of the library (``mtp_hooks``): what a benchmark needs is public."""
+    known = modules()
+    private = [f"{name}: {target} {attribute}".rstrip() for name, path in known.items()
+               for target, attribute in imports(path, set(known), roots=(PACKAGE, "mtp_hooks"))
+               if any(part.startswith("_") for part in (*target.split("."), attribute))]
+    assert private == []
