@@ -63,6 +63,8 @@ def merge_seeds(records: list[dict[str, Any]]) -> dict[str, Any]:
     else:
         out = {"task": records[0]["task"], "temperatures": {t: joined([r["temperatures"][t] for r in records]) for t in records[0]["temperatures"]}}
     out["wall_seconds"] = max(record["wall_seconds"] for record in records)  # the processes ran side by side
+    if "mode" in records[0]:
+        out["mode"] = records[0]["mode"]
     return out
 
 
@@ -221,13 +223,15 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
+    """``acceptance.json``, ``acceptance.md`` and the plots, titled with the run's mode (``quick run``, ...)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(result, indent=1))
     (out / "acceptance.md").write_text(markdown(result))
+    mode = f"{result['mode']} run" if result.get("mode") else ""
     if "temperatures" in result:
         for temperature, record in result["temperatures"].items():
-            plot(record, out / f"acceptance-T{temperature}.png", title=f"T = {temperature}: ")
+            plot(record, out / f"acceptance-T{temperature}.png", title=f"{mode + ', ' if mode else ''}T = {temperature}: ")
     elif _is_chain(result):
-        plot_chain(result, out / "acceptance-chain.png")
+        plot_chain(result, out / "acceptance-chain.png", title=f"{mode}: " if mode else "")
     else:
-        plot(result, out / "acceptance.png")
+        plot(result, out / "acceptance.png", title=f"{mode}: " if mode else "")

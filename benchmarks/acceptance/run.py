@@ -58,6 +58,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         models.setup(config(setting), stack)
         result = run_task(setting, seeds, cache=args.cache)
     result["wall_seconds"] = time.perf_counter() - started
+    result["mode"] = name  # the named setting (quick, full, chain, ...): the plots' titles say it
     report.write_outputs(result, args.out)
     print(report.markdown(result))
     print(f"written: {args.out}/acceptance.json, acceptance.md and the plots")
