@@ -8,16 +8,19 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size|full scope).*")
 
-import benchmarks.acceptance
-from benchmarks import models
-from benchmarks.acceptance import report
-from benchmarks.acceptance.experiment import CACHE, TASKS, run_task
-from benchmarks.acceptance.settings import SETTINGS, config, overrides
+import torch  # noqa: E402
+
+import benchmarks.acceptance  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.acceptance import report  # noqa: E402
+from benchmarks.acceptance.experiment import CACHE, TASKS, run_task  # noqa: E402
+from benchmarks.acceptance.settings import SETTINGS, config, overrides  # noqa: E402
 
 SEEDS = (0, 1, 2)
 
