@@ -20,7 +20,7 @@ import torch
 
 import mtp_hooks
 from benchmarks import models
-from benchmarks.acceptance import code_task as acceptance_code, pretrain as acceptance_pretrain, report
+from benchmarks.acceptance import code_task, pretrain, report
 from benchmarks.acceptance.arms import Arm, assert_same_policy, main_parameters
 from benchmarks.acceptance.drafts import DraftCapture, chain_tokens_per_step, depth_speculative_sampling
 from benchmarks.acceptance.experiment import run, run_seeds, run_task
@@ -130,27 +130,27 @@ def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thr
 
 def test_function_lines_keep_the_body_and_stop_where_the_function_ends() -> None:
     text = "    def f(self, x):\n        y = x\n\n        return y\n    def g(self):\n        pass\n"
-    assert acceptance_code.function_lines(text) == "def f(self, x):\n    y = x\n\n    return y\n"
+    assert code_task.function_lines(text) == "def f(self, x):\n    y = x\n\n    return y\n"
     # The last line is incomplete (no newline): dropped; a block opener gets a ``pass`` body.
-    assert acceptance_code.function_lines("def f(x):\n    if x:\n        ret") == "def f(x):\n    if x:\n        pass\n"
-    assert acceptance_code.function_lines("def f(x") is None
+    assert code_task.function_lines("def f(x):\n    if x:\n        ret") == "def f(x):\n    if x:\n        pass\n"
+    assert code_task.function_lines("def f(x") is None
 
 
 def test_reward_needs_code_that_parses_and_scores_double_quotes() -> None:
-    assert acceptance_code.score("def f():\n    return 'a' + \"b\"\n") == (True, 0.5)
-    assert acceptance_code.score('def f():\n    """Doc."""\n    return "a"\n') == (True, 1.0)  # docstrings do not count
-    assert acceptance_code.score("def f():\n    return 1\n") == (True, 0.0)
-    assert acceptance_code.score("def f():\n    return (1,\n") == (False, 0.0)
-    assert acceptance_code.score("def f():\n    return ('a', \"b\",\n") == (False, 0.5)  # literals before the error count
-    assert acceptance_code.score("def f(:\n    return 1\n")[0] is False
+    assert code_task.score("def f():\n    return 'a' + \"b\"\n") == (True, 0.5)
+    assert code_task.score('def f():\n    """Doc."""\n    return "a"\n') == (True, 1.0)  # docstrings do not count
+    assert code_task.score("def f():\n    return 1\n") == (True, 0.0)
+    assert code_task.score("def f():\n    return (1,\n") == (False, 0.0)
+    assert code_task.score("def f():\n    return ('a', \"b\",\n") == (False, 0.5)  # literals before the error count
+    assert code_task.score("def f(:\n    return 1\n")[0] is False
 
 
 def test_stdlib_split_is_deterministic_and_disjoint() -> None:
-    files = acceptance_code.stdlib_files(40)
+    files = code_task.stdlib_files(40)
     assert files == sorted(files) and len(files) == 40
-    assert files == acceptance_code.stdlib_files(40)
-    assert not any(part in acceptance_code.SKIP for rel, _ in files for part in rel.split("/")[:-1])
-    parts = acceptance_code.split(files)
+    assert files == code_task.stdlib_files(40)
+    assert not any(part in code_task.SKIP for rel, _ in files for part in rel.split("/")[:-1])
+    parts = code_task.split(files)
     names = [{rel for rel, _ in v} for v in parts.values()]
     assert sum(map(len, names)) == 40 and not (names[0] & names[1]) and not (names[0] & names[2]) and not (names[1] & names[2])
 
@@ -192,14 +192,14 @@ def test_code_task_runs_every_variant_at_both_temperatures_with_reward_and_kl(co
 def test_code_pretraining_is_cached_per_seed(one_intra_op_thread: None, code_result: dict, code_cache: Path) -> None:
     saved = sorted(code_cache.glob("pretrained-*.pt"))
     assert len(saved) == 1 and "seed0" in saved[0].name
-    acceptance_pretrain._PRETRAINED.clear()  # as a new process: read from disk, no training
-    task = acceptance_code.CodeTask.build(CODE, 0, code_cache)
-    state, record = acceptance_pretrain.pretrained(task, CODE, code_cache, log=lambda line: None)
+    pretrain._PRETRAINED.clear()  # as a new process: read from disk, no training
+    task = code_task.CodeTask.build(CODE, 0, code_cache)
+    state, record = pretrain.pretrained(task, CODE, code_cache, log=lambda line: None)
     assert record["cached"] is True
     fresh = torch.load(saved[0], weights_only=False)["state"]
     assert all(torch.equal(state[k], fresh[k]) for k in state if isinstance(state[k], torch.Tensor))
-    other = acceptance_pretrain._pretrain_key(task, dataclasses.replace(CODE, seed=1))
-    assert other != acceptance_pretrain._pretrain_key(task, CODE)
+    other = pretrain._pretrain_key(task, dataclasses.replace(CODE, seed=1))
+    assert other != pretrain._pretrain_key(task, CODE)
 
 
 @needs_tokenizers
