@@ -21,9 +21,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from benchmarks import models
-from benchmarks.acceptance_settings import Setting, config, shape_of
-from benchmarks.acceptance_spec import device_of, positions
-from benchmarks.acceptance_task import Task
+from benchmarks.acceptance.settings import Setting, config, shape_of
+from benchmarks.acceptance.drafts import device_of, positions
+from benchmarks.acceptance.task import Task
 
 
 def forward(model: nn.Module, tokens: Tensor) -> Tensor:
