@@ -20,9 +20,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, make_batch, mtp_inner_layer, output_layer_calls
-from tests.support.mcore_cpu import stock_train_step
-from tests.support.twins import assert_next_micro_batches_like_stock, hooked_forward, hooked_step
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, grads_of, hooked_forward, hooked_train_step, make_batch, output_layer_calls
+from mtp_hooks.testing import stock_train_step
+from tests.support.mcore_cpu import mtp_inner_layer
+from tests.support.micro_batches import assert_next_micro_batches_like_stock
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -115,7 +116,7 @@ class Rig:
         self.after_attach = hook_dicts(self.model)
         assert self.after_attach != self.before_attach
         # one clean micro-batch, so that anything mcore creates lazily on a first forward exists
-        hooked_step(self.model, self.hooks, make_batch(VOCAB, seed=99))
+        hooked_train_step(self.model, self.hooks, make_batch(VOCAB, seed=99))
         self.hooks.metrics()
         zero_grads(self.model)
         self.identities = attribute_identities(self.model)
@@ -141,8 +142,8 @@ class Rig:
         zero_grads(self.model)
         batch = make_batch(VOCAB, seed=2)
         with output_layer_calls(self.model) as mine, output_layer_calls(self.untouched) as theirs:
-            loss = stock_train_step(self.model, batch)
-            expected = stock_train_step(self.untouched, batch)
+            loss = stock_train_step(self.model, batch).loss
+            expected = stock_train_step(self.untouched, batch).loss
         assert torch.equal(loss, expected)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
         assert_same_grads(self.model, self.untouched, atol=0, rtol=0)
@@ -297,7 +298,7 @@ def test_refused_attach_registers_nothing(options: dict[str, Any], match: str) -
     assert attribute_identities(model) == identities
     assert mtp_hooks.hooks_of(model) is None
     batch = make_batch(VOCAB)
-    assert torch.equal(stock_train_step(model, batch), stock_train_step(untouched, batch))
+    assert torch.equal(stock_train_step(model, batch).loss, stock_train_step(untouched, batch).loss)
     assert_same_grads(model, untouched, atol=0, rtol=0)
 
 

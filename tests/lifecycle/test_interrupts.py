@@ -18,9 +18,8 @@ from torch import nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import make_batch
+from mtp_hooks.testing import hooked_forward, make_batch
 from tests.lifecycle.test_faults import SITES, VOCAB, Rig
-from tests.support.twins import hooked_forward
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -31,9 +31,10 @@ import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from mtp_hooks.ops.lean_loss import lean_mtp_loss
 from mtp_hooks.ops.objectives import OBJECTIVES
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
+from mtp_hooks.testing import stock_main_only_step
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
-from tests.support.mcore_cpu import needs_packed_mtp, output_layer_calls, stock_main_only_step, thd_params
+from tests.support.mcore_cpu import needs_packed_mtp, thd_params
 from tests.unit.test_targets import Slot
 
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T
