@@ -107,8 +107,9 @@ def scenario_export(family: str, layout: dict[str, int]) -> dict[str, Any]:
     """Reference on one rank's layout, then the parallel layout; asserts on every rank."""
     from megatron.core import parallel_state
 
-    from tests.support.mcore_cpu import cuda_calls_on_cpu, init_parallel
-    from tests.support.mcore_moe import moe_mla_on_cpu, reset_moe_process_state
+    from mtp_hooks.testing import cuda_calls_on_cpu, init_parallel
+    from mtp_hooks.testing import moe_mla_on_cpu
+    from tests.support.mcore_moe import reset_moe_process_state
 
     pipeline = layout.get("pipeline_model_parallel_size", 1) > 1
     shape = _shape(family, pipeline)

@@ -15,7 +15,8 @@ import torch
 import mtp_hooks
 from benchmarks.counters import HostReads, HostSyncs, HostToDevice
 from mtp_hooks import _mcore
-from tests.support.mcore_cpu import Batch, TinyGPT, hooked_train_step, main_ce_from_logits, make_batch, masked_mean, thd_params
+from mtp_hooks.testing import Batch, TinyGPT, hooked_train_step, main_ce_from_logits, make_batch, masked_mean
+from tests.support.mcore_cpu import thd_params
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)

@@ -20,8 +20,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks import MTPHooksError
 from mtp_hooks.ops.drafts import draft_tokens, gumbel_noise
-from tests.support.mcore_cpu import TinyGPT, grads_of, hooked_train_step, make_batch, masked_mean, needs_packed_mtp
-from tests.support.mcore_cpu import assert_same_grads, stock_mtp_losses
+from mtp_hooks.testing import TinyGPT, assert_same_grads, grads_of, hooked_train_step, make_batch, masked_mean, stock_mtp_losses
+from tests.support.mcore_cpu import needs_packed_mtp
 from tests.support.parity import Case
 from tests.support.stock_references import stock_chain
 
@@ -121,7 +121,7 @@ def test_packed_sequences_keep_every_step_inside_its_sequence(chain: str) -> Non
     hooks = mtp_hooks.attach(hooked, **case.options)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = hooked(*batch.model_args, packed_seq_params=params)
-    from tests.support.mcore_cpu import main_ce_from_logits
+    from mtp_hooks.testing import main_ce_from_logits
 
     masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
     metrics = hooks.metrics()
@@ -198,7 +198,7 @@ def test_a_checkpoint_recompute_draws_the_same_sampled_drafts() -> None:
     torch.manual_seed(0)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = torch.utils.checkpoint.checkpoint(model, *batch.model_args, use_reentrant=False)
-    from tests.support.mcore_cpu import main_ce_from_logits
+    from mtp_hooks.testing import main_ce_from_logits
 
     torch.manual_seed(1)  # the backward's recompute must not depend on the generator's state by then
     masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()

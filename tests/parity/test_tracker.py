@@ -15,7 +15,7 @@ import torch
 import mtp_hooks
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.support.mcore_cpu import Batch, TinyGPT, hooked_train_step, make_batch, stock_train_step
+from mtp_hooks.testing import Batch, TinyGPT, hooked_train_step, make_batch, stock_train_step
 
 VOCAB = 64
 TENSOR_KEYS = ("values", "loss_values", "correct_values", "total_values")

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtp_hooks.testing import cuda_current_device_is_cpu
 from mtp_hooks.testing.speculative import Proposal, speculative_sampling
-from tests.support.mcore_cpu import cuda_current_device_is_cpu
 
 
 @dataclasses.dataclass

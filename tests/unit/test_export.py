@@ -21,8 +21,8 @@ import mtp_hooks
 from mtp_hooks import MTPHooksError
 from mtp_hooks.export import BridgeExportError, check_bridge_export, mtp_hf_weights, mtp_hf_weights_from_state_dict, replace_mtp_weights
 from tests.support.export_cases import VOCAB, deepseek_v3_shape, mtp_state, qwen_shape, set_expert_bias, transformer_engine_names
-from tests.support.mcore_cpu import TinyGPT, hooked_train_step, make_batch, stock_train_step
-from tests.support.mcore_moe import DEEPSEEK_MISSING, moe_mla_on_cpu
+from mtp_hooks.testing import TinyGPT, hooked_train_step, make_batch, moe_mla_on_cpu, stock_train_step
+from tests.support.mcore_moe import DEEPSEEK_MISSING
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 needs_deepseek = pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}")
