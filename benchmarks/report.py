@@ -49,6 +49,7 @@ GOALS = {
     "time": "training time lean / stock ≤ 1.00 (per-round ratios of interleaved rounds)",
 }
 MET, MISSED, NOISE, NA = "met", "**missed**", "inconclusive", "n/a"
+UNJUDGED = "not measured at smoke shapes"  # the memory goal where ``Config.memory_goal`` is off
 # Variants whose MTP losses do not train the output layer: their FLOP floor lacks N head weight gradients.
 # verl's patch detaches the head only in its legacy loop, on megatron-core without ``process_mtp_loss``.
 HEAD_DETACHED = {DETACH_HEAD} | (set() if hasattr(_mtp, "process_mtp_loss") else {"verl"})
@@ -102,8 +103,9 @@ def floors_at(shape: Shape, variants: dict[str, Any]) -> None:
             v["memory_vs_floor"] = v["train"]["peak_bytes"] / v["memory_floor"]
 
 
-def goals_at(shape: Shape, variants: dict[str, Any], key: str = "train_cpu_s") -> dict[str, Any]:
-    """Every goal's measured figure and verdict at one shape, for the default hooks variant."""
+def goals_at(shape: Shape, variants: dict[str, Any], key: str = "train_cpu_s", memory_goal: bool = True) -> dict[str, Any]:
+    """Every goal's measured figure and verdict at one shape, for the default hooks variant; without
+    ``memory_goal`` the peak is reported but the memory goal is not judged (``memory_ok`` is None)."""
     stock, lean = variants.get("stock"), variants.get(DEFAULT_HOOKS)
     detach, floor = variants.get(DETACH_HEAD), variants.get("no_mtp")
     tokens, n = shape.seq * shape.batch, shape.mtp
@@ -119,7 +121,7 @@ def goals_at(shape: Shape, variants: dict[str, Any], key: str = "train_cpu_s") -
         out["memory_ratio"] = out["memory"] / out["memory_stock"]
         out["memory_target"] = stock["train"]["peak_bytes"] - 0.9 * n * shape.logits_bytes(TP) + accumulator
         out["memory_accumulator"] = accumulator
-        out["memory_ok"] = out["memory"] <= out["memory_target"]
+        out["memory_ok"] = out["memory"] <= out["memory_target"] if memory_goal else None
         out["time"] = time_ratio(lean[key], stock[key])
         out["time_verdict"] = time_verdict(out["time"])
         out["wall"] = time_ratio(lean["train_s"], stock["train_s"])
@@ -162,7 +164,7 @@ def summarize(config: Config, raw: dict[str, Any]) -> dict[str, Any]:
             v["train_time_vs_stock"] = time_ratio(v[key], stock[key]) if stock else None
         floors_at(shape, variants)
         loads = [x for v in variants.values() for x in v["load"]]
-        by_key[shape.key] = {"shape": point["shape"], "variants": variants, "goals": goals_at(shape, variants, key),
+        by_key[shape.key] = {"shape": point["shape"], "variants": variants, "goals": goals_at(shape, variants, key, config.memory_goal),
                              "load": _seconds(loads)}
     return {
         "config": config.name,
@@ -381,7 +383,7 @@ def _goal_lines(config: Config, g: dict[str, Any]) -> list[str]:
     if "memory" in g:
         acc = f" (accumulator {_mib(g['memory_accumulator'])} MiB included)" if g["memory_accumulator"] else ""
         lines.append(f"| {GOALS['memory']} | {_mib(g['memory'])} MiB vs target {_mib(g['memory_target'])} MiB{acc}; "
-                     f"stock {_mib(g['memory_stock'])} MiB | {verdict(g['memory_ok'])} |")
+                     f"stock {_mib(g['memory_stock'])} MiB | {memory_verdict(g)} |")
     if "inference_ok" in g:
         lines.append(f"| {GOALS['inference']} | {g['infer_flops']:,} vs {g['infer_flops_floor']:,} FLOPs; "
                      f"{g['infer_peak']:,} vs {g['infer_peak_floor']:,} bytes | {verdict(g['inference_ok'])} |")
@@ -435,6 +437,11 @@ def _load_cell(load: Optional[dict[str, float]]) -> str:
     return "–" if not load else f"{load['median']:.1f} ({load['min']:.1f}–{load['max']:.1f})"
 
 
+def memory_verdict(g: dict[str, Any]) -> str:
+    """The memory goal's verdict; ``UNJUDGED`` where the configuration does not judge it."""
+    return UNJUDGED if g["memory_ok"] is None else verdict(g["memory_ok"])
+
+
 def _cell(text: str, ok: Optional[bool]) -> str:
     return f"{text} {verdict(ok)}" if ok is not None else text
 
@@ -458,7 +465,7 @@ def _sweep_lines(config: Config, result: dict[str, Any], sweep: str, title: str)
         flops = _cell(f"{g['flops_ratio']:.3f}", g["flops_ok"]) if "flops_ratio" in g else "–"
         detach = (_cell(f"{_x_stock(g['detach_flops'], g)} / {_x_stock(g['detach_flops_bound'], g)}", g["detach_flops_ok"])
                   if "detach_flops" in g else "–")
-        memory = _cell(f"{_mib(g['memory'])} / {_mib(g['memory_target'])}", g["memory_ok"]) if "memory" in g else "–"
+        memory = f"{_mib(g['memory'])} / {_mib(g['memory_target'])} {memory_verdict(g)}" if "memory" in g else "–"
         syncs = _cell(str(g["syncs"]), g["syncs_ok"]) if "syncs" in g else "–"
         infer = verdict(g.get("inference_ok"))
         time_cell = f"{ratio_range(g.get('time'))} {g.get('time_verdict', NA)}" if g.get("time") else NA

@@ -76,6 +76,39 @@ def track_depth(depth_index: int, depth: int, ce_sum: Tensor, tokens: Tensor, co
         MTPLossLoggingHelper.save_loss_to_tracker(loss, depth_index, depth, avg_group=avg_group)
 
 
+class TrackerGrowth:
+    """Undoes what a chain of more draft steps than the model's depths did to mcore's process-wide
+    tracker (``_fit_tracker`` grows it): ``note`` before the chain first records, ``undo`` at
+    ``remove`` cuts the per-depth tensors back to the length they had, or drops them where there
+    was no tracker (stock then makes them at its own depth). What the chain's later steps recorded
+    and nobody read yet goes with them."""
+
+    def __init__(self) -> None:
+        self._noted = False
+        self._length: Optional[int] = None
+
+    def note(self) -> None:
+        if not self._noted:
+            self._noted, self._length = True, _tracker_length()
+
+    def undo(self) -> None:
+        if not self._noted:
+            return
+        self._noted = False
+        tracker = MTPLossLoggingHelper.tracker
+        for key, value in list(tracker.items()):
+            if isinstance(value, Tensor) and value.dim() == 1 and (self._length is None or value.shape[0] > self._length):
+                if self._length is None:
+                    del tracker[key]
+                else:
+                    tracker[key] = value[: self._length].clone()
+
+
+def _tracker_length() -> Optional[int]:
+    lengths = [v.shape[0] for v in MTPLossLoggingHelper.tracker.values() if isinstance(v, Tensor) and v.dim() == 1]
+    return max(lengths) if lengths else None
+
+
 def _fit_tracker(depth: int) -> None:
     """Grow the tracker's per-depth tensors to ``depth`` entries (zeros added), for a chain of more
     draft steps than the depths a stock forward (or another model) recorded before."""
@@ -213,3 +246,46 @@ def cp_group_of(model: nn.Module, packed_seq_params: Any = None) -> Optional[tor
         group = getattr(pg_collection, "cp", None)
     return group
 
+
+
+# The transformer layer inside an MTP layer: ``transformer_layer`` up to 0.16.1, ``mtp_model_layer``
+# from 0.17.1 (where it may also be a hybrid stack). Feature-detected on the layer instance.
+MTP_LAYER_BODY_NAMES = ("mtp_model_layer", "transformer_layer")
+
+
+def mtp_layer_body_name(layer: nn.Module) -> str:
+    """The attribute under which ``layer`` (a ``MultiTokenPredictionLayer``) holds its transformer layer."""
+    for name in MTP_LAYER_BODY_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise MTPHooksError(
+        "model: an MTP layer without a transformer layer this release names\n"
+        f"  expected: a MultiTokenPredictionLayer with one of {', '.join(MTP_LAYER_BODY_NAMES)}\n"
+        f"  received: a {type(layer).__name__} without them"
+    )
+
+
+def expert_parallel_group_of(experts: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The expert-parallel group of an MoE experts module (``SequentialMLP``, ``TEGroupedMLP``): its own
+    ``ep_group`` (0.14+), else mcore's global one."""
+    group = getattr(experts, "ep_group", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_expert_model_parallel_group()
+    return group
+
+
+def expert_tp_group_of(linear: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The tensor-parallel group of an expert's linear layer: the expert-TP group, which mcore
+    passes to every expert linear; mcore's global one where the layer does not hold it."""
+    group = getattr(linear, "tp_group", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_expert_tensor_parallel_group()
+    return group
+
+
+def pipeline_group_of(model: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The pipeline-parallel group of a language model (``pg_collection.pp`` where it has one)."""
+    group = getattr(getattr(model, "pg_collection", None), "pp", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_pipeline_model_parallel_group()
+    return group

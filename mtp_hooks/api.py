@@ -26,7 +26,7 @@ from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.features.detach import check_wrappers
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, check_model, find_language_model
-from mtp_hooks.options import AcceptRule, DraftInputs, LossImpl, Objective, Options, Output
+from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output
 
 
 def attach(
@@ -44,6 +44,7 @@ def attach(
     accept_rule: AcceptRule = "argmax",
     draft_steps: Optional[int] = None,
     draft_inputs: DraftInputs = "labels",
+    draft_layers: DraftLayers = "per_step",
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -106,15 +107,21 @@ def attach(
             ``sum_v min(p_T, q_T)``) or ``"match"`` (exact match of independent samples, an
             exact-match verifier fed a sampled draft: ``sum_v p_T q_T``). All three are argmax agreement at T = 0. Other
             than ``"argmax"`` only where acceptance is measured.
-        draft_steps: train a chain of k draft steps (``mtp_hooks.chain``); ``None``: the model's N
-            MTP layers. Step j <= N is layer j, steps past N reuse the last layer, as engines
-            that draft k > N tokens do; every step's loss (the chosen ``objective``) targets the
-            token at ``t + j + 1``, the loss weight split evenly over the k steps. Needs every
-            MTP layer on the output layer's pipeline stage.
+        draft_steps: train a chain of k draft steps (``mtp_hooks.features.chain``); ``None``: the
+            model's N MTP layers. Which layer runs step j is ``draft_layers``'; every step's loss
+            (the chosen ``objective``) targets the token at ``t + j + 1``, the loss weight split
+            evenly over the k steps. Needs every MTP layer on the output layer's pipeline stage.
         draft_inputs: what feeds steps 2..k: ``"labels"`` (teacher forcing: the data's token,
             as mcore trains), ``"argmax"`` or ``"sample"`` (the previous step's own draft: its
             argmax, or a sample at ``draft_temperature`` (its argmax at 0), as a speculative decoder feeds it),
             always with the previous step's output hidden state. The draft token is detached.
+        draft_layers: which MTP layer runs draft step j, as the target engine schedules them:
+            ``"per_step"`` (step j <= N is layer j, steps past N reuse the last layer: mcore's
+            depths, SGLang's multi-layer drafter) or ``"first"`` (layer 1 for every step, each
+            on the previous step's output: vLLM 0.32's MTP proposer, which never runs layers
+            2..N). With ``"first"`` and N >= 2 the block still runs layers 2..N (mcore's block
+            calls every layer), their outputs are dropped and they get no gradient; train an
+            N = 1 model for vLLM to spend nothing on them.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;

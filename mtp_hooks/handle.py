@@ -133,7 +133,7 @@ class MTPHooks:
         """
         if self._removed:
             return
-        self._hooks.binding.close()
+        self._hooks.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

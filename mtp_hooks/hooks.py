@@ -57,9 +57,11 @@ class ForwardHooks:
 
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
-        self.layers: int = model.config.mtp_num_layers
         self.depth: int = options.steps(model.config)  # draft steps trained: the layers, or ``draft_steps``
+        self.plan = chain.Plan.of(self.depth, model.config, len(model.mtp.layers) if model.mtp_process else 1, options.draft_layers)
         self.metrics = MTPMetrics(self.depth)
+        # A chain past the model's N depths grows mcore's process-wide tracker; ``close`` undoes it.
+        self._tracker = _mcore.TrackerGrowth() if self.depth > model.config.mtp_num_layers else None
         self.loss_path: Optional[str] = None  # of the last completed training forward
         self.binding = ModelBinding(model, model.config, bool(model.mtp_process), options.validate)
         self._arguments = CallArguments(model)
@@ -73,7 +75,7 @@ class ForwardHooks:
     def install(self, model: nn.Module) -> list[Any]:
         options = self.options
         _mcore.check_call_conventions(model, options.detach_encoder)
-        chain.check_chain(model, options.draft_steps, options.draft_inputs)
+        chain.check_chain(model, options.draft_steps, options.draft_inputs, options.draft_layers)
         pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
         post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
         done = model.register_forward_hook(self.on_model_done, with_kwargs=True, always_call=True)
@@ -91,12 +93,12 @@ class ForwardHooks:
             self._last["block"] = handles[-1].id
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
             if options.detach_encoder or options.feeds_drafts:
-                for layer in model.mtp.layers:
+                for layer in self.plan.step_layers(model.mtp.layers):
                     handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
-            if chain.steps_past_layers(self.depth, self.layers):  # the chain re-calls the last layer
-                last = model.mtp.layers[-1]
-                handles.append(last.register_forward_pre_hook(self.on_last_layer_pre, with_kwargs=True, prepend=True))
-                handles.append(last.register_forward_hook(self.on_last_layer_post))
+            if self.plan.changes_block:  # the chain rebuilds the block's output: record the block's call of its step layer
+                step_layer = model.mtp.layers[self.plan.layer]
+                handles.append(step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True))
+                handles.append(step_layer.register_forward_hook(self.on_step_layer_post))
         return handles
 
     def _keep_order(self, model: nn.Module) -> None:
@@ -174,13 +176,9 @@ class ForwardHooks:
         return None
 
     def _count(self, model: nn.Module, losses: mtp_loss.Losses) -> None:
-        """Add a completed training forward's metrics."""
+        """Add a completed training forward's metrics; stock mcore tracks only in training mode."""
         self.loss_path = losses.path
-        for entry in losses.metrics:
-            self.metrics.add(*entry)
-            if model.training:  # stock mcore tracks only in training mode
-                k, ce_sum, tokens, correct = entry[:4]
-                _mcore.track_depth(k, self.depth, ce_sum, tokens, correct)
+        mtp_loss.count(losses, self.metrics, self.depth, model.training, self._tracker)
 
     # ------------------------------------------------------------------ the submodules' hooks
     def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -217,28 +215,27 @@ class ForwardHooks:
         fwd.mtp_layer_calls += 1
         return args, kwargs
 
-    def on_last_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Kept first among the last MTP layer's pre-hooks: the chain records the block's own arguments."""
+    def on_step_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Kept first among the step layer's pre-hooks: the chain records the block's own arguments."""
         fwd = self._forward_here()
         if fwd is not None and fwd.train:
             chain.record_call(fwd.chain, kwargs)
         return None
 
-    def on_last_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def on_step_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         fwd = self._forward_here()
         if fwd is not None and fwd.train:
             chain.record_output(fwd.chain, output)
         return None
 
     def on_mtp_block_post(self, block: nn.Module, args: tuple[Any, ...], output: Any) -> Optional[Tensor]:
-        """Kept last: the block's output (the chain's steps past N appended) opens the training window."""
+        """Kept last: the block's output (as the chain's steps, ``chain.Plan``) opens the training window."""
         fwd = self._forward_here()
         if fwd is None or not fwd.train:
             return None
         extended = None
-        steps = chain.steps_past_layers(self.depth, self.layers)
-        if steps:  # before the swaps end: the extra calls run as the block's did
-            extended = chain.extend(fwd.chain, block, output, steps)
+        if self.plan.changes_block:  # before the swaps end: the extra calls run as the block's did
+            extended = chain.extend(fwd.chain, self.plan, block, output)
         fwd.restore_swaps()
         fwd.block_output = output if extended is None else extended
         self.binding.open_window(fwd)
@@ -290,7 +287,14 @@ class ForwardHooks:
             logprobs.on_head_post(fwd.scoring, args[0], output)
         return None
 
-    # ------------------------------------------------------------------ micro-batches
+    # ------------------------------------------------------------------ micro-batches, removal
     def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any) -> MicroBatch:
         binding = self.binding
         return binding.micro_batches.arm(labels, loss_mask, loss_scale, binding.flight.recover_abandoned)
+
+    def close(self) -> None:
+        """For ``remove``: the model stock again (``ModelBinding.close``) and mcore's tracker back to
+        the depths it held before this chain grew it."""
+        self.binding.close()
+        if self._tracker is not None:
+            self._tracker.undo()

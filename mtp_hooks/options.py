@@ -12,10 +12,12 @@ from mtp_hooks.ops.draft_rule import AcceptRule, DraftRule, Objective
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
 DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
+DraftLayers = Literal["per_step", "first"]  # which MTP layer runs draft step j
 
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 OUTPUTS: tuple[str, ...] = get_args(Output)
 DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
+DRAFT_LAYERS: tuple[str, ...] = get_args(DraftLayers)
 
 
 def _is_real(value: Any) -> bool:
@@ -44,6 +46,7 @@ class Options:
     # The draft chain (``chain``): steps trained (None: the model's N layers) and what feeds steps 2..k.
     draft_steps: Optional[int] = None
     draft_inputs: DraftInputs = "labels"
+    draft_layers: DraftLayers = "per_step"
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -97,6 +100,8 @@ class Options:
             raise bad_argument("draft_steps", "None or an int >= 1 (at least the model's MTP layers)", describe(self.draft_steps))
         if self.draft_inputs not in DRAFT_INPUTS:
             raise bad_argument("draft_inputs", " or ".join(map(repr, DRAFT_INPUTS)), describe(self.draft_inputs))
+        if self.draft_layers not in DRAFT_LAYERS:
+            raise bad_argument("draft_layers", " or ".join(map(repr, DRAFT_LAYERS)), describe(self.draft_layers))
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
         if self.entropy and self.output != "logprobs":
@@ -141,9 +146,12 @@ class Options:
         """Refuse options that the model's config leaves undefined."""
         if self.loss_scale is None and config.mtp_loss_scaling_factor is None:
             raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
-        if self.draft_steps is not None and self.draft_steps < config.mtp_num_layers:
+        if self.draft_steps is not None and self.draft_layers == "per_step" and self.draft_steps < config.mtp_num_layers:
             raise bad_argument(
-                "draft_steps", f"None or an int >= the model's {config.mtp_num_layers} MTP layers (layer j is step j)", describe(self.draft_steps)
+                "draft_steps",
+                f"None or an int >= the model's {config.mtp_num_layers} MTP layers (draft_layers='per_step': layer j is step j; "
+                "draft_layers='first' trains fewer steps than layers)",
+                describe(self.draft_steps),
             )
 
     def changed(self) -> dict[str, Any]:

@@ -144,10 +144,11 @@ def packed_layout(packed_seq_params: Any) -> Any:
 
     mcore's ``roll_tensor`` (loss targets, and the MTP layers' shifted input ids) reads
     ``cu_seqlens_q`` as the layout of the packed row. Returns the argument itself when it has no
-    distinct padded layout; otherwise a copy with the padded bounds (and ``max_seqlen`` covering
-    them). Real tokens precede the padding of each slot, so causal attention over a whole slot
-    gives the real tokens the same result. A distinct ``cu_seqlens_q_padded`` costs one host read
-    (whether it differs, and its widest slot, read together); the hooks call this once per forward.
+    distinct ``cu_seqlens_q_padded``; otherwise a copy with the padded bounds (equal bounds give
+    the same rolls). Real tokens precede the padding of each slot, so causal attention over a whole
+    slot gives the real tokens the same result. ``max_seqlen_q`` / ``_kv`` stay the caller's: with
+    padded bounds Transformer Engine (so stock's own decoder) already reads them as the widest
+    padded slot, as Megatron-LM, verl and NeMo-RL pass them. No host read.
     """
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     unpadded = packed_seq_params.cu_seqlens_q
@@ -157,20 +158,8 @@ def packed_layout(packed_seq_params: Any) -> Any:
         raise bad_argument(
             "packed_seq_params", "cu_seqlens_q_padded shaped like cu_seqlens_q", f"{tuple(padded.shape)} and {tuple(unpadded.shape)}"
         )
-    differs = (padded != unpadded.to(padded.device)).any()
-    widest = (padded[1:] - padded[:-1]).max() if padded.numel() > 1 else padded.new_zeros(())
-    differ_read, widest_read = torch.stack([differs.to(widest.dtype), widest]).tolist()  # the one host read
-    if not differ_read:
-        return packed_seq_params
     kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
-    widest = int(widest_read)
-    return dataclasses.replace(
-        packed_seq_params,
-        cu_seqlens_q=padded,
-        cu_seqlens_kv=padded if kv_padded is None else kv_padded,
-        max_seqlen_q=max(packed_seq_params.max_seqlen_q or 0, widest),
-        max_seqlen_kv=max(packed_seq_params.max_seqlen_kv or 0, widest),
-    )
+    return dataclasses.replace(packed_seq_params, cu_seqlens_q=padded, cu_seqlens_kv=padded if kv_padded is None else kv_padded)
 
 
 def _without_empty_slots(layout: Any, cp_group: Any) -> Any:

@@ -17,7 +17,7 @@ from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
     MTPLossLoggingHelper,
 )
 
-from tests.support.mcore_cpu import cuda_current_device_is_cpu, init_parallel  # noqa: E402
+from mtp_hooks.testing import cuda_current_device_is_cpu, init_parallel  # noqa: E402
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

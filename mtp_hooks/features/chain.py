@@ -6,11 +6,14 @@ An engine drafting k tokens reuses the last MTP layer for steps past N and feeds
 step j - 1 drafted, with that step's output hidden state. The chain here does the same inside the
 training forward, with hooks only:
 
-* steps past N: when the MTP block returns, its last layer is called again ``k - N`` times
+* which layer runs step j (``draft_layers``, ``Plan``): ``"per_step"``, layer j for j <= N and the
+  last layer past N (mcore's depths; SGLang), or ``"first"``, layer 1 for every step (vLLM 0.32,
+  whose proposer never runs layers 2..N): the block's steps run by other layers are dropped;
+* steps past those the block ran: when the MTP block returns, the step layer is called again
   (``extra_steps``), each call with the block's own keyword arguments for that layer and the
   previous call's returned hidden state, ids and positions; the outputs join the block's output,
-  so the heads see ``1 + k`` chunks and train k steps against labels rolled k times (the last
-  layer's call is recorded by a pre-hook kept first and a forward hook: ``record_call``);
+  so the heads see ``1 + k`` chunks and train k steps against labels rolled k times (the layer's
+  call is recorded by a pre-hook kept first and a forward hook: ``record_call``);
 * own drafts: the pre-hook of every MTP layer call after the first gives the layer's embedding
   call the previous step's draft (``DraftEmbedding``): the argmax, or a sample at
   ``draft_temperature``, of the main head's weight on the hidden state that call receives
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -43,21 +46,27 @@ from mtp_hooks.runtime.proxies import ForwardOnlyProxy
 
 @dataclasses.dataclass
 class ChainCall:
-    """Per training forward: the last MTP layer's call (its kwargs before any hook rewrote them, and
+    """Per training forward: the step layer's call (``Plan.layer``; its kwargs before any hook rewrote them, and
     its output) and the main head as the own drafts read it (``draft_head``, once per forward)."""
 
-    last_layer_kwargs: Optional[dict[str, Any]] = None
-    last_layer_output: Any = None
+    step_layer_kwargs: Optional[dict[str, Any]] = None
+    step_layer_output: Any = None
     draft_head: Optional[Head] = None
 
 
 class DraftEmbedding(ForwardOnlyProxy):
     """An embedding module called with the chain's draft tokens ``[b, s]`` in place of the input
-    ids the MTP layer rolled (the positions it rolled are kept)."""
+    ids the MTP layer rolled (the positions it rolled are kept). Built by ``of``: wrapt's own
+    constructor, then the tokens, which ``torch.compile`` traces (it cannot trace a subclass's
+    ``__init__`` calling wrapt's)."""
 
-    def __init__(self, embedding: Any, tokens: Tensor) -> None:
-        super().__init__(embedding)
-        self._self_tokens = tokens
+    _self_tokens: Tensor
+
+    @classmethod
+    def of(cls, embedding: Any, tokens: Tensor) -> DraftEmbedding:
+        proxy = cls(embedding)
+        proxy._self_tokens = tokens
+        return proxy
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         if "input_ids" in kwargs:
@@ -67,27 +76,58 @@ class DraftEmbedding(ForwardOnlyProxy):
         return self.__wrapped__(*args, **kwargs)
 
 
-def steps_past_layers(depth: int, layers: int) -> int:
-    """How many times the last MTP layer is called again after the block: ``draft_steps`` - N."""
-    return max(depth - layers, 0)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How k draft steps map onto the MTP block's calls (``draft_layers``).
+
+    The block makes ``block_steps`` chunks past the main one (N, one per layer call); the first
+    ``kept`` of them are draft steps 1..kept, and ``layer`` (an index into ``block.layers``) is
+    called ``reruns`` more times for the steps after them. ``step_layers``: the layers whose calls
+    are draft steps (the others' outputs are dropped).
+    """
+
+    block_steps: int
+    kept: int
+    layer: int
+    reruns: int
+
+    @classmethod
+    def of(cls, steps: int, config: Any, layer_modules: int, draft_layers: str) -> Plan:
+        n = config.mtp_num_layers
+        if draft_layers == "first" and layer_modules > 1:  # one module serving every depth is "first" already
+            return cls(n, 1, 0, steps - 1)
+        return cls(n, n, layer_modules - 1, max(steps - n, 0))
+
+    @property
+    def changes_block(self) -> bool:
+        """Whether the block's output is cut or extended (else it is the k steps as it is); then the
+        step layer's call is recorded (``record_call``)."""
+        return self.kept < self.block_steps or self.reruns > 0
+
+    def step_layers(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
+        return list(layers) if self.kept == self.block_steps else [layers[self.layer]]
 
 
 def record_call(chain: ChainCall, kwargs: dict[str, Any]) -> None:
-    """The block's own arguments of its last MTP layer's call, before any hook rewrites them."""
-    chain.last_layer_kwargs, chain.last_layer_output = dict(kwargs), None
+    """The block's own arguments of its step layer's call (``Plan.layer``), before any hook rewrites them."""
+    chain.step_layer_kwargs, chain.step_layer_output = dict(kwargs), None
 
 
 def record_output(chain: ChainCall, output: Any) -> None:
-    if chain.last_layer_kwargs is not None:
-        chain.last_layer_output = output
+    if chain.step_layer_kwargs is not None:
+        chain.step_layer_output = output
 
 
-def extend(chain: ChainCall, block: nn.Module, output: Tensor, count: int) -> Tensor:
-    """The MTP block's output with ``count`` more steps of its last layer appended."""
-    if chain.last_layer_kwargs is None:
-        raise AssertionError("mtp_hooks: the MTP block returned without a call of its last layer")
-    steps = extra_steps(block.layers[-1], chain.last_layer_kwargs, chain.last_layer_output, count)
-    return torch.cat([output, *steps])
+def extend(chain: ChainCall, plan: Plan, block: nn.Module, output: Tensor) -> Tensor:
+    """The MTP block's output as the plan's k steps: its kept chunks, then ``plan.reruns`` more calls
+    of the step layer. With a step layer that runs first (``draft_layers="first"``) the output is
+    built anew from that layer's recorded input (the block's chunk 0) and output, so the dropped
+    layers are not in the backward graph at all."""
+    if chain.step_layer_kwargs is None:
+        raise AssertionError("mtp_hooks: the MTP block returned without a call of its step layer")
+    kwargs, last = chain.step_layer_kwargs, chain.step_layer_output
+    kept = [output] if plan.kept == plan.block_steps else [kwargs["hidden_states"], last[0]]
+    return torch.cat([*kept, *extra_steps(block.layers[plan.layer], kwargs, last, plan.reruns)])
 
 
 def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dict[str, Any]) -> None:
@@ -98,7 +138,7 @@ def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dic
     if chain.draft_head is None:
         chain.draft_head = draft_head(forward.model, options.chunk_size)
     temperature = options.draft_temperature if options.draft_inputs == "sample" else None
-    kwargs["embedding"] = DraftEmbedding(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
+    kwargs["embedding"] = DraftEmbedding.of(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
 
 
 def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
@@ -132,9 +172,9 @@ def extra_steps(layer: nn.Module, kwargs: dict[str, Any], output: Any, count: in
     return hidden_states
 
 
-def check_chain(model: nn.Module, steps: Optional[int], inputs: str) -> None:
+def check_chain(model: nn.Module, steps: Optional[int], inputs: str, draft_layers: str) -> None:
     """Refuse a chain the model cannot run, once at ``attach``."""
-    if (steps is None and inputs == "labels") or not getattr(model, "mtp_process", False):
+    if (steps is None and inputs == "labels" and draft_layers == "per_step") or not getattr(model, "mtp_process", False):
         return
     depth = model.config.mtp_num_layers
     layers = list(model.mtp.layers)
@@ -147,6 +187,6 @@ def check_chain(model: nn.Module, steps: Optional[int], inputs: str) -> None:
     repeated = bool(getattr(model.config, "mtp_use_repeated_layer", False))
     if len(layers) != (1 if repeated else depth) or not getattr(model, "post_process", False):
         raise bad_argument(
-            "draft_steps", "every MTP layer on the pipeline stage of the output layer (the chain reuses the last one)",
+            "draft_steps", "every MTP layer on the pipeline stage of the output layer (the chain calls its step layer again)",
             f"{len(layers)} of {depth} MTP layers on a stage {'with' if model.post_process else 'without'} the output layer",
         )

@@ -22,7 +22,7 @@ from mtp_hooks import _mcore
 from mtp_hooks.checks import check_loss_scale
 from mtp_hooks.features import deferral, detach
 from mtp_hooks.head import Head
-from mtp_hooks.metrics import DepthSums, chain_sums
+from mtp_hooks.metrics import DepthSums, MTPMetrics, chain_sums
 from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
 from mtp_hooks.ops.weight_grad import choose_weight_grad
@@ -70,6 +70,19 @@ def attach(options: Options, forward: Forward, losses: Losses, head: Head, hidde
     main, losses.metrics, losses.path = attach_mtp_losses(options, model, head.detached() if detached else head, hidden, batch, scale)
     losses.attached = True
     return main
+
+
+def count(losses: Losses, metrics: MTPMetrics, depth: int, track: bool, growth: Optional[_mcore.TrackerGrowth]) -> None:
+    """Add a completed training forward's per-step sums to ``metrics`` and, with ``track`` (stock
+    tracks in training mode only), to mcore's tracker as stock does; ``growth``: the chain's, when
+    it has more steps than the model's depths (``_mcore.TrackerGrowth``)."""
+    for entry in losses.metrics:
+        metrics.add(*entry)
+        if track:
+            if growth is not None:
+                growth.note()
+            k, ce_sum, tokens, correct = entry[:4]
+            _mcore.track_depth(k, depth, ce_sum, tokens, correct)
 
 
 def own_head_call(layer: nn.Module, losses: Losses, hidden: Tensor, weight: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce, first_argmax_candidates, group_rank, group_size
+from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce, first_argmax_candidates, group_max, group_rank, group_size
 
 
 def gumbel_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
@@ -41,7 +41,7 @@ def draft_tokens(hidden: Tensor, weight: Tensor, tp_group: ProcessGroup, chunk: 
             noise = gumbel_noise(logits.shape[0], shard * size, logits.device)
             logits = logits / temperature + noise[:, rank * shard : (rank + 1) * shard]
         values, index = logits.max(dim=-1)
-        row_max = all_reduce(values.clone(), tp_group, dist.ReduceOp.MAX)
+        row_max = group_max(values, tp_group)
         candidates = first_argmax_candidates(values, index, row_max, tp_group, shard)
         out[start : start + chunk] = all_reduce(candidates, tp_group, dist.ReduceOp.MIN)
     return out

@@ -7,6 +7,7 @@ the MTP losses (``lean_loss``) and the log-prob output (``logprobs``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,12 @@ def shard_targets(labels: Tensor, shard_size: int, group: ProcessGroup) -> tuple
 NO_INDEX = torch.iinfo(torch.long).max
 
 
+def group_max(values: Tensor, group: ProcessGroup) -> Tensor:
+    """Each row's maximum over the group (a new tensor), a NaN counting as the largest value, as
+    ``torch.argmax`` takes it: collectives need not propagate NaN (gloo's MAX drops it)."""
+    return all_reduce(values.nan_to_num(nan=math.inf, posinf=math.inf, neginf=-math.inf), group, dist.ReduceOp.MAX)
+
+
 def first_argmax_candidates(values: Tensor, index: Tensor, row_max: Tensor, group: ProcessGroup, shard: int) -> Tensor:
     """This shard's candidate for each row's first argmax over the full vocabulary.
 
@@ -48,8 +55,10 @@ def first_argmax_candidates(values: Tensor, index: Tensor, row_max: Tensor, grou
     index of it as a full-vocabulary id, the others ``NO_INDEX``; MIN over the group gives the
     first full-vocabulary index of the maximum, which is ``torch.argmax`` of the gathered logits
     and stock mcore 0.19's vocab-parallel argmax (first rank holding the maximum, its first index).
+    A NaN counts as the maximum, as in ``torch.argmax`` (``max`` returns the shard's first NaN):
+    a row with one always gets a real id, never ``NO_INDEX`` (a draft token out of the vocabulary).
     """
-    return torch.where(values == row_max, index + group_rank(group) * shard, NO_INDEX)
+    return torch.where((values == row_max) | values.isnan(), index + group_rank(group) * shard, NO_INDEX)
 
 
 @torch.no_grad()
@@ -62,7 +71,7 @@ def argmax_matches(logits: Tensor, labels: Tensor, tp_group: ProcessGroup) -> Te
     """
     values, index = logits.max(dim=-1)
     values = values.float()
-    row_max = all_reduce(values.clone(), tp_group, dist.ReduceOp.MAX)
+    row_max = group_max(values, tp_group)
     candidates = first_argmax_candidates(values, index, row_max, tp_group, logits.shape[-1])
     return all_reduce(candidates, tp_group, dist.ReduceOp.MIN) == labels
 

@@ -13,7 +13,10 @@ layers; no fake classes) next to which a hooked twin can be checked:
 * ``gpt`` / ``deepseek`` / ``hybrid``: ``TinyGPT``, ``TinyQwen`` (GQA), ``TinyDeepSeek`` (MLA + MoE,
   inside ``moe_mla_on_cpu()``), ``TinyHybrid`` / ``TinyHybridMoE`` (megatron-core 0.18+);
 * ``kernels``: ``fused_wgrad_kernel_on_cpu()``, a CPU stand-in for Apex's fused wgrad kernel;
-* ``steps`` / ``twins``: batches, stock and hooked training steps, ``build_twins``, ``assert_same_grads``.
+* ``twins``: the side-by-side harness: ``build_twins`` (-> ``Twins``, whose ``assert_step_matches``
+  checks logits, MTP losses and every gradient in one call), batches (``make_batch``), the stock
+  and hooked training steps (``stock_train_step``, ``hooked_train_step``) and the comparisons
+  (``assert_same_grads``, ``assert_same_mtp_losses``).
 
 Importing this package changes nothing in torch or megatron-core: every change is made by a context
 manager and undone on its exit. ``mtp_hooks`` itself needs none of it.
@@ -24,11 +27,8 @@ Example::
 
     testing.init_parallel()
     with testing.cuda_current_device_is_cpu():
-        twins = testing.build_twins(testing.TinyQwen(), seed=0)
-        batch = testing.make_batch(vocab_size=64, seq=16)
-        testing.stock_train_step(twins.stock, batch)
-        testing.hooked_train_step(twins.hooked, twins.hooks, batch)
-        testing.assert_same_grads(twins.hooked, twins.stock)
+        twins = testing.build_twins(testing.TinyQwen(), seed=0)   # stock + hooked, same weights
+        twins.assert_step_matches(testing.make_batch(vocab_size=64, seq=16))
 """
 
 import warnings as _warnings
@@ -47,33 +47,28 @@ with _warnings.catch_warnings():
     from mtp_hooks.testing.kernels import fused_wgrad_kernel_on_cpu
     from mtp_hooks.testing.parallel import free_port, init_parallel, runtime
     from mtp_hooks.testing.specs import SequenceParallelLayerNorm, local_layer_spec, replace_module_class
-    from mtp_hooks.testing.steps import (
-        Batch,
-        assert_same_grads,
-        grads_of,
-        hooked_train_step,
-        main_ce_from_logits,
-        make_batch,
-        masked_mean,
-        stock_mtp_losses,
-        stock_train_step,
-        tracked_mtp_losses,
-    )
-    from mtp_hooks.testing.twins import ModelShape, TwinModels, build_twins
+    from mtp_hooks.testing.twins import PATHS, Batch, ModelShape, StockRun, Twins, TwinStep, build_twins, make_batch
+    from mtp_hooks.testing.twins import assert_same_grads, assert_same_mtp_losses, grads_of, hooked_mtp_losses
+    from mtp_hooks.testing.twins import hooked_forward, hooked_train_step, main_ce_from_logits, masked_mean, output_layer_calls
+    from mtp_hooks.testing.twins import stock_main_only_step, stock_mtp_losses, stock_train_step, tracked_mtp_losses
 
 __all__ = [
     "Batch",
     "CudaToCpu",
     "ModelShape",
+    "PATHS",
     "SDPAttention",
     "SequenceParallelLayerNorm",
+    "StockRun",
     "TinyDeepSeek",
     "TinyGPT",
     "TinyHybrid",
     "TinyHybridMoE",
     "TinyQwen",
-    "TwinModels",
+    "TwinStep",
+    "Twins",
     "assert_same_grads",
+    "assert_same_mtp_losses",
     "build_twins",
     "context_parallel_positions",
     "cpu_safe_config",
@@ -83,6 +78,8 @@ __all__ = [
     "free_port",
     "fused_wgrad_kernel_on_cpu",
     "grads_of",
+    "hooked_forward",
+    "hooked_mtp_losses",
     "hooked_train_step",
     "hybrid_moe_missing",
     "hybrid_mtp_missing",
@@ -92,8 +89,10 @@ __all__ = [
     "make_batch",
     "masked_mean",
     "moe_mla_on_cpu",
+    "output_layer_calls",
     "replace_module_class",
     "runtime",
+    "stock_main_only_step",
     "stock_mtp_losses",
     "stock_train_step",
     "tracked_mtp_losses",

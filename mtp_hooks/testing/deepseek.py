@@ -23,10 +23,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_hooks.testing.attention import SDPAttention
-from mtp_hooks.testing.config import cpu_safe_config
+from mtp_hooks.testing.gpt import TinyGPT
 from mtp_hooks.testing.specs import replace_module_class
 
 __all__ = ["TinyDeepSeek", "deepseek_missing", "moe_mla_on_cpu"]
@@ -89,46 +90,29 @@ def deepseek_missing() -> Optional[str]:
 
 
 @dataclasses.dataclass
-class TinyDeepSeek:
+class TinyDeepSeek(TinyGPT):
     """Shape of a tiny DeepSeek-V3-style model: MLA everywhere, dense then MoE layers, MoE MTP layers.
 
-    ``first_dense_layers`` of the ``num_layers`` decoder layers are dense (DeepSeek's
-    ``first_k_dense_replace``); the rest, and every MTP layer, are MoE with ``num_experts`` routed
-    experts (top ``topk``), a shared expert and the auxiliary load-balancing loss.
+    ``TinyGPT``'s sizes, plus: ``first_dense_layers`` of the ``num_layers`` decoder layers are
+    dense (DeepSeek's ``first_k_dense_replace``); the rest, and every MTP layer, are MoE with
+    ``num_experts`` routed experts (top ``topk``), a shared expert and the auxiliary
+    load-balancing loss. Positions are rotary (MLA applies its own), ``num_query_groups`` is unused.
     """
 
-    vocab_size: int = 64
-    hidden_size: int = 32
-    num_layers: int = 2
+    position_embedding_type: str = "rope"
     first_dense_layers: int = 1
-    num_attention_heads: int = 4
-    max_sequence_length: int = 64
-    mtp_num_layers: Optional[int] = 2
     num_experts: int = 4
     topk: int = 2
-    tied: bool = False
-    config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def config(self) -> TransformerConfig:
         """The ``MLATransformerConfig`` of this shape under mcore's current parallel layout."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        kwargs: dict[str, Any] = dict(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
+        style: dict[str, Any] = dict(
             ffn_hidden_size=2 * self.hidden_size,
-            mtp_num_layers=self.mtp_num_layers,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
             add_bias_linear=False,  # mcore's shared experts refuse biases
             normalization="RMSNorm",
-            params_dtype=torch.float32,
-            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-            pipeline_dtype=torch.float32,
-            **cpu_safe_config(),
             # multi-latent attention: low-rank queries and keys/values, decoupled RoPE part
             q_lora_rank=16,
             kv_lora_rank=16,
@@ -147,23 +131,22 @@ class TinyDeepSeek:
             moe_grouped_gemm=False,
             moe_layer_freq=[0] * self.first_dense_layers + [1] * (self.num_layers - self.first_dense_layers),
         )
-        if self.mtp_num_layers:
-            kwargs["mtp_loss_scaling_factor"] = 0.3
-        kwargs.update(self.config_overrides)
-        return MLATransformerConfig(**kwargs)
+        styled = dataclasses.replace(self, config_overrides={**style, **self.config_overrides})
+        return MLATransformerConfig(**TinyGPT.config_kwargs(styled))
 
     def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
         """Build the model with a fixed seed, so two builds are identical twins (open ``moe_mla_on_cpu``)."""
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
         missing = deepseek_missing()
         if missing is not None:
             raise RuntimeError(missing)
-        torch.manual_seed(seed)
-        config = self.config()
-        vp_stage = model_kwargs.get("vp_stage")
+        return super().build(seed, **model_kwargs)
+
+    def block_specs(self, config: TransformerConfig, vp_stage: Optional[int]) -> tuple[Any, Optional[ModuleSpec]]:
+        """mcore's local decoder block spec (dense, then MoE layers) with ``SDPAttention``; the MTP
+        layers copy its last layer's spec, so they are MoE too."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
         block_kwargs: dict[str, Any] = {"normalization": "RMSNorm"}
         if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters:
             block_kwargs["vp_stage"] = vp_stage
@@ -171,16 +154,5 @@ class TinyDeepSeek:
         replace_module_class(decoder_spec, DotProductAttention, SDPAttention)
         mtp_spec = None
         if self.mtp_num_layers:
-            # The MTP layers copy the last decoder layer's spec: MoE, with SDPAttention
-            # (None on pipeline stages without the MTP layers).
             mtp_spec = get_gpt_mtp_block_spec(config, decoder_spec, use_transformer_engine=False, vp_stage=vp_stage)
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=decoder_spec,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            share_embeddings_and_output_weights=self.tied,
-            position_embedding_type="rope",  # MLA applies its own rotary embedding
-            mtp_block_spec=mtp_spec,
-            **model_kwargs,
-        )
+        return decoder_spec, mtp_spec

@@ -59,6 +59,11 @@ class TinyGPT:
 
     def config(self) -> TransformerConfig:
         """The ``TransformerConfig`` of this shape under mcore's current parallel layout."""
+        return TransformerConfig(**self.config_kwargs())
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The config's arguments: the shape's sizes, the parallel layout, ``cpu_safe_config()``,
+        then ``config_overrides``."""
         kwargs: dict[str, Any] = dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -78,7 +83,7 @@ class TinyGPT:
         if self.mtp_num_layers:
             kwargs["mtp_loss_scaling_factor"] = MTP_LOSS_SCALING_FACTOR
         kwargs.update(self.config_overrides)
-        return TransformerConfig(**kwargs)
+        return kwargs
 
     def layer_spec(self) -> ModuleSpec:
         """The decoder layer spec: mcore's local one with ``SDPAttention``."""
@@ -91,18 +96,7 @@ class TinyGPT:
         """
         torch.manual_seed(seed)
         config = self.config()
-        spec = self.layer_spec()
-        vp_stage = model_kwargs.get("vp_stage")
-        mtp_spec = None
-        if self.mtp_num_layers:
-            # None on pipeline stages (and virtual stages) without the MTP layers.
-            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
-        decoder_spec: Any = spec
-        if config.sequence_parallel:
-            layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-            decoder_spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=WrappedTorchNorm)
-            for tree in (decoder_spec, mtp_spec):
-                replace_module_class(tree, WrappedTorchNorm, SequenceParallelLayerNorm)
+        decoder_spec, mtp_spec = self.block_specs(config, model_kwargs.get("vp_stage"))
         return GPTModel(
             config=config,
             transformer_layer_spec=decoder_spec,
@@ -113,6 +107,21 @@ class TinyGPT:
             mtp_block_spec=mtp_spec,
             **model_kwargs,
         )
+
+    def block_specs(self, config: TransformerConfig, vp_stage: Optional[int]) -> tuple[Any, Optional[ModuleSpec]]:
+        """The decoder's spec (``layer_spec()``, in a block with sequence parallelism) and the MTP
+        block's (``None`` without MTP layers, and on pipeline stages without them)."""
+        spec = self.layer_spec()
+        mtp_spec = None
+        if self.mtp_num_layers:
+            mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+        decoder_spec: Any = spec
+        if config.sequence_parallel:
+            layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+            decoder_spec = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=WrappedTorchNorm)
+            for tree in (decoder_spec, mtp_spec):
+                replace_module_class(tree, WrappedTorchNorm, SequenceParallelLayerNorm)
+        return decoder_spec, mtp_spec
 
 
 QWEN_STYLE: dict[str, Any] = dict(

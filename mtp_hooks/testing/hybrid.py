@@ -81,16 +81,24 @@ class TinyHybrid(TinyGPT):
 
     def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
         """Build the model with a fixed seed, so two builds are identical twins."""
-        missing = hybrid_mtp_missing()
+        missing = self._missing()
         if missing is not None:
             raise RuntimeError(missing)
-        from megatron.core.ssm.mlp_layer import MLPLayer
-
         if self.num_layers % 2:
             raise ValueError(f"{type(self).__name__} needs an even num_layers, got {self.num_layers}")
         torch.manual_seed(seed)
         config = self.config()
-        return self.hybrid_from_local_spec(config, local_layer_spec(), "mlp_layer", MLPLayer, **model_kwargs)
+        local, ffn_field, ffn_module = self._feed_forward(config)
+        return self.hybrid_from_local_spec(config, local, ffn_field, ffn_module, **model_kwargs)
+
+    def _missing(self) -> Optional[str]:
+        return hybrid_mtp_missing()
+
+    def _feed_forward(self, config: TransformerConfig) -> tuple[Any, str, type]:
+        """The local layer spec, the stack's feed-forward field and the layer built there: MLP layers."""
+        from megatron.core.ssm.mlp_layer import MLPLayer
+
+        return local_layer_spec(), "mlp_layer", MLPLayer
 
     def hybrid_from_local_spec(self, config: TransformerConfig, local: Any, ffn_field: str, ffn_module: type, **model_kwargs: Any) -> torch.nn.Module:
         """A ``HybridModel`` whose attention and feed-forward layers (``ffn_field`` of the stack's
@@ -172,7 +180,8 @@ class TinyHybridMoE(TinyHybrid):
     """``TinyHybrid`` with MoE (``E``) layers instead of MLP layers, MTP depths included.
 
     Pattern ``"*E" * (num_layers // 2) + "/*E" * depth``; the MoE layers are mcore's local ones
-    (4 sequential experts, top-2, a shared expert, auxiliary load-balancing loss).
+    (4 sequential experts, top-2, a shared expert, auxiliary load-balancing loss). Build it inside
+    ``moe_mla_on_cpu()``.
     """
 
     def config(self) -> TransformerConfig:
@@ -183,17 +192,13 @@ class TinyHybridMoE(TinyHybrid):
     def pattern(self) -> str:
         return "*E" * (self.num_layers // 2) + "/*E" * (self.mtp_num_layers or 0)
 
-    def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
-        """Build the model with a fixed seed, so two builds are identical twins (open ``moe_mla_on_cpu``)."""
+    def _missing(self) -> Optional[str]:
+        return hybrid_moe_missing()
+
+    def _feed_forward(self, config: TransformerConfig) -> tuple[Any, str, type]:
+        """MoE layers (build the model inside ``moe_mla_on_cpu``)."""
         from megatron.core.transformer import transformer_layer
 
-        missing = hybrid_moe_missing()
-        if missing is not None:
-            raise RuntimeError(missing)
-        if self.num_layers % 2:
-            raise ValueError(f"TinyHybridMoE needs an even num_layers, got {self.num_layers}")
-        torch.manual_seed(seed)
-        config = self.config()
         local = local_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
         moe_layer = getattr(transformer_layer, "MoETransformerLayer", transformer_layer.TransformerLayer)
-        return self.hybrid_from_local_spec(config, local, "moe_layer", moe_layer, **model_kwargs)
+        return local, "moe_layer", moe_layer

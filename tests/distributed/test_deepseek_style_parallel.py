@@ -20,11 +20,11 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from mtp_hooks.testing import Batch, TinyDeepSeek, assert_same_grads, main_ce_from_logits, make_batch, masked_mean, moe_mla_on_cpu
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
 from tests.support.distributed import SpawnedGroup
-from tests.support.mcore_cpu import Batch, assert_same_grads, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
-from tests.support.mcore_cpu import stock_mtp_losses, tracked_mtp_losses
-from tests.support.mcore_moe import DEEPSEEK_MISSING, TinyDeepSeek, forward_calls, moe_mla_on_cpu, moe_tracker_values
-from tests.support.mcore_moe import mtp_moe_layers, reduce_moe_tracker, reset_moe_process_state, routers
+from tests.support.mcore_moe import DEEPSEEK_MISSING, forward_calls, moe_tracker_values, mtp_moe_layers, reduce_moe_tracker
+from tests.support.mcore_moe import reset_moe_process_state, routers
 
 pytestmark = pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}")
 
@@ -98,7 +98,7 @@ def scenario_pipeline(loss_impl: str) -> dict[str, Any]:
     """
     from megatron.core import parallel_state
 
-    from tests.support.mcore_cpu import cuda_calls_on_cpu
+    from mtp_hooks.testing import cuda_calls_on_cpu
 
     shape = TinyDeepSeek(vocab_size=VOCAB, first_dense_layers=0, config_overrides={"batch_p2p_comm": False})
     batches = [make_batch(VOCAB, batch=2, seq=SEQ, seed=10 + i) for i in range(3)]
@@ -201,7 +201,7 @@ def scenario_expert_parallel(loss_impl: str) -> dict[str, Any]:
     """
     from megatron.core import parallel_state
 
-    from tests.support.mcore_cpu import init_parallel
+    from mtp_hooks.testing import init_parallel
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)

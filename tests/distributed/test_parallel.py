@@ -26,23 +26,11 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from mtp_hooks import _mcore
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, context_parallel_positions, grads_of, make_batch, masked_mean
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
 from tests.support.distributed import SpawnedGroup
 from tests.support.megatron_loop import cuda_stream_on_cpu
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    context_parallel_positions,
-    grads_of,
-    make_batch,
-    masked_mean,
-    needs_packed_mtp,
-    output_layer_calls,
-    rolled,
-    stock_mtp_losses,
-    thd_params,
-    tracked_mtp_losses,
-)
+from tests.support.mcore_cpu import needs_packed_mtp, rolled, thd_params
 
 SEED = 1234
 
@@ -194,7 +182,7 @@ def scenario_context_parallel_whole_sequence(loss_impl: str, gradients: bool) ->
     """
     from megatron.core import parallel_state
 
-    from tests.support.mcore_cpu import init_parallel
+    from mtp_hooks.testing import init_parallel
 
     shape = TinyGPT(config_overrides={"calculate_per_token_loss": True})
     full = make_batch(shape.vocab_size, batch=2, seq=16, seed=6)
@@ -266,7 +254,7 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
     """
     from functools import partial
 
-    from tests.support.mcore_cpu import cuda_calls_on_cpu
+    from mtp_hooks.testing import cuda_calls_on_cpu
 
     # Unbatched p2p: with two ranks and VPP each rank both sends activations to and gradients
     # "back" to the same peer; gloo matches batched isend/irecv pairs in posting order, which
@@ -573,7 +561,7 @@ def _stage_model(post_process: bool, with_mtp: bool, pre_process: bool = True, t
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
-    from tests.support.mcore_cpu import SDPAttention
+    from mtp_hooks.testing import SDPAttention
 
     shape = TinyGPT()
     config = shape.config()
@@ -604,7 +592,7 @@ def test_mtp_on_another_stage_than_the_output_layer_is_refused(post_process: boo
 
 def _last_stage_step(model: nn.Module, hooks: mtp_hooks.MTPHooks) -> None:
     """One training micro-batch on a last pipeline stage: the previous stage's hidden states in, main CE out, backward."""
-    from tests.support.mcore_cpu import main_ce_from_logits
+    from mtp_hooks.testing import main_ce_from_logits
 
     batch = make_batch(64, seq=8, seed=3)
     model.set_input_tensor(torch.randn(8, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(4)))

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from mtp_hooks import _mcore
+from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, make_batch, masked_mean, output_layer_calls
 from tests.support.distributed import SpawnedGroup
-from tests.support.mcore_cpu import Batch, TinyGPT, context_parallel_positions, make_batch, masked_mean, output_layer_calls
 
 SEED = 1234
 VOCAB = 96  # divisible by 2 for vocabulary shards
@@ -273,7 +273,7 @@ def scenario_context_parallel_distill(
     positions, from stock's logits of the whole sequence (the teachers cross CP ranks)."""
     from megatron.core import parallel_state
 
-    from tests.support.mcore_cpu import init_parallel
+    from mtp_hooks.testing import init_parallel
 
     overrides = {"calculate_per_token_loss": True}
     full = make_batch(VOCAB, batch=2, seq=16, seed=6)

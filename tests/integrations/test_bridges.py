@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
+from mtp_hooks.testing import assert_same_mtp_losses, build_twins, grads_of, make_batch, output_layer_calls, stock_train_step
 from tests.support.bridge_models import BRIDGES_MISSING, FAMILIES, MOE_FAMILIES, BridgeModel, assert_routers_and_experts_trained
 from tests.support.bridge_models import hf_config, make_bridge, without_mtp_copy
-from tests.support.mcore_cpu import grads_of, make_batch, output_layer_calls
 from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
+from tests.support.micro_batches import mtp_block_calls
 from tests.support.probes import assert_training_forward_counts_more_flops, counted_flops, hooked_with_reference
-from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
 pytestmark = [
     pytest.mark.skipif(BRIDGES_MISSING is not None, reason=str(BRIDGES_MISSING)),
@@ -102,9 +102,9 @@ def test_bridge_model_builds_the_families_layers(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_micro_batches_match_stock(family: str, depth: int, loss_impl: str) -> None:
     """Two micro-batches: logits bit-equal, MTP losses and every gradient (routers, experts) equal stock."""
-    twins = Twins(BridgeModel(family, depth), seed=3, loss_impl=loss_impl)
+    twins = build_twins(BridgeModel(family, depth), seed=3, loss_impl=loss_impl)
     for batch in batches():
-        stock = stock_step(twins.stock, batch)
+        stock = stock_train_step(twins.stock, batch)
         logits = twins.hooked_step(batch)
         assert torch.equal(logits, stock.logits)
         assert twins.hooks is not None
@@ -133,11 +133,11 @@ def test_detach_encoder_keeps_the_mtp_loss_out_of_decoder_and_embedding(family: 
     bridge to set one, would still reach the trunk).
     """
     shape = BridgeModel(family, depth)
-    twins = Twins(shape, seed=5, loss_impl=loss_impl, detach_encoder=True)
+    twins = build_twins(shape, seed=5, loss_impl=loss_impl, detach_encoder=True)
     without_mtp = without_mtp_copy(twins.stock, shape)
     for batch in batches():
-        stock = stock_step(twins.stock, batch)
-        stock_step(without_mtp, batch)
+        stock = stock_train_step(twins.stock, batch)
+        stock_train_step(without_mtp, batch)
         assert torch.equal(twins.hooked_step(batch), stock.logits)
         assert twins.hooks is not None
         assert_same_mtp_losses(twins.hooks.metrics(), stock.mtp_losses)
@@ -185,10 +185,10 @@ def test_inference_micro_batches_between_training_ones_leave_training_as_stock(f
 
     The inference forwards return stock's main logits, run no MTP layer and leave no metric.
     """
-    twins = Twins(BridgeModel(family, 1), seed=7)
+    twins = build_twins(BridgeModel(family, 1), seed=7)
     assert twins.hooks is not None
     train_a, infer, train_b = (make_batch(VOCAB, batch=2, seq=SEQ, seed=s) for s in (1, 2, 3))
-    stock_a, stock_b = stock_step(twins.stock, train_a), stock_step(twins.stock, train_b)
+    stock_a, stock_b = stock_train_step(twins.stock, train_a), stock_train_step(twins.stock, train_b)
     with output_layer_calls(twins.stock) as calls, torch.no_grad():
         twins.stock(*infer.model_args, labels=infer.labels, loss_mask=infer.loss_mask)
     stock_infer_logits = calls[-1].transpose(0, 1)

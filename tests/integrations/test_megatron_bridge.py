@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from mtp_hooks.testing import assert_same_mtp_losses, build_twins, grads_of, make_batch, stock_train_step
 from tests.support.bridge_models import FAMILIES, MOE_FAMILIES, assert_routers_and_experts_trained, without_mtp_copy
-from tests.support.mcore_cpu import grads_of, make_batch
 from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
+from tests.support.micro_batches import mtp_block_calls
 from tests.support.megatron_bridge_models import MEGATRON_BRIDGE_MISSING, ProvidedModel, make_provider
 from tests.support.probes import hooked_with_reference
-from tests.support.twins import Twins, assert_same_mtp_losses, mtp_block_calls, stock_step
 
 pytestmark = [
     pytest.mark.skipif(MEGATRON_BRIDGE_MISSING is not None, reason=str(MEGATRON_BRIDGE_MISSING)),
@@ -57,10 +57,10 @@ def test_provider_carries_the_published_switches(family: str) -> None:
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_micro_batches_match_stock(family: str, depth: int, loss_impl: str) -> None:
-    twins = Twins(ProvidedModel(family, depth), seed=3, loss_impl=loss_impl)
+    twins = build_twins(ProvidedModel(family, depth), seed=3, loss_impl=loss_impl)
     assert twins.hooks is not None
     for batch in batches():
-        stock = stock_step(twins.stock, batch)
+        stock = stock_train_step(twins.stock, batch)
         assert torch.equal(twins.hooked_step(batch), stock.logits)
         assert_same_mtp_losses(twins.hooks.metrics(), stock.mtp_losses)
         assert len(stock.mtp_losses) == depth
@@ -72,12 +72,12 @@ def test_training_micro_batches_match_stock(family: str, depth: int, loss_impl: 
 def test_detach_encoder_keeps_the_mtp_loss_out_of_decoder_and_embedding(family: str) -> None:
     """As in ``test_bridges``: trunk gradients are those of the model without MTP layers, the rest stock's."""
     shape = ProvidedModel(family, 2)
-    twins = Twins(shape, seed=5, detach_encoder=True)
+    twins = build_twins(shape, seed=5, detach_encoder=True)
     assert twins.hooks is not None
     without_mtp = without_mtp_copy(twins.stock, shape)
     for batch in batches():
-        stock = stock_step(twins.stock, batch)
-        stock_step(without_mtp, batch)
+        stock = stock_train_step(twins.stock, batch)
+        stock_train_step(without_mtp, batch)
         assert torch.equal(twins.hooked_step(batch), stock.logits)
         assert_same_mtp_losses(twins.hooks.metrics(), stock.mtp_losses)
     with_mtp, trunk_only = grads_of(twins.stock), grads_of(without_mtp)

@@ -30,14 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 import mtp_hooks
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    assert_same_grads,
-    main_ce_from_logits,
-    make_batch,
-    stock_mtp_losses,
-)
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, stock_mtp_losses
 
 VOCAB = 64
 SEQ = 10

@@ -24,7 +24,7 @@ import torch
 import mtp_hooks
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.integrations.verl import draft_acceptance_metrics, engine_draft_options
-from tests.support.mcore_cpu import TinyGPT, cuda_current_device_is_cpu
+from mtp_hooks.testing import TinyGPT, cuda_current_device_is_cpu
 from tests.support.speculative_engine import EngineStats, speculative_rollouts
 from tests.support.verl_support import import_verl, verl_function
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mtp_hooks.integrations.verl import NORMALIZATION_FACTOR_ATTR, attach_engine_mtp
-from tests.support.mcore_cpu import TinyGPT, cuda_calls_on_cpu, grads_of
+from mtp_hooks.testing import TinyGPT, cuda_calls_on_cpu, grads_of
 from tests.support.verl_support import import_verl, model_config
 
 verl = import_verl()

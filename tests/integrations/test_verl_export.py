@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mtp_hooks
-from tests.support.mcore_cpu import TinyGPT, cuda_calls_on_cpu, hooked_train_step, make_batch, stock_train_step
+from mtp_hooks.testing import TinyGPT, cuda_calls_on_cpu, hooked_train_step, make_batch, stock_train_step
 from tests.support.verl_support import import_verl
 
 import_verl()

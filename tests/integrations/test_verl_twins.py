@@ -25,7 +25,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from mtp_hooks import _mcore
 from mtp_hooks.integrations.verl import NORMALIZATION_FACTOR_ATTR, attach_engine_mtp, verl_options
-from tests.support.mcore_cpu import MTP_RECOMPUTE_BROKEN, TinyGPT, grads_of, main_ce_from_logits, masked_mean
+from mtp_hooks.testing import TinyGPT, grads_of, main_ce_from_logits, masked_mean
+from tests.support.mcore_cpu import MTP_RECOMPUTE_BROKEN
 from tests.lifecycle.test_modes import cuda_rng_on_cpu  # noqa: F401  (fixture)
 from tests.support.verl_support import import_verl, model_config
 

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, main_ce_from_logits, make_batch, masked_mean
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -19,8 +19,7 @@ from torch import nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import TinyGPT, assert_same_grads, hooked_train_step, make_batch, stock_train_step
-from tests.support.twins import assert_same_mtp_losses
+from mtp_hooks.testing import TinyGPT, assert_same_grads, assert_same_mtp_losses, hooked_train_step, make_batch, stock_train_step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -74,7 +73,7 @@ def assert_trains_like_stock(model: nn.Module, hooks: mtp_hooks.MTPHooks, seed: 
     model.zero_grad(set_to_none=True)
     batch = make_batch(VOCAB, seed=seed)
     stock_train_step(stock, batch)
-    from tests.support.mcore_cpu import stock_mtp_losses
+    from mtp_hooks.testing import stock_mtp_losses
 
     expected = stock_mtp_losses()
     hooked_train_step(model, hooks, batch)

@@ -20,9 +20,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, make_batch, mtp_inner_layer, output_layer_calls
-from tests.support.mcore_cpu import stock_train_step
-from tests.support.twins import assert_next_micro_batches_like_stock, hooked_forward, hooked_step
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, grads_of, hooked_forward, hooked_train_step, make_batch, output_layer_calls
+from mtp_hooks.testing import stock_train_step
+from tests.support.mcore_cpu import mtp_inner_layer
+from tests.support.micro_batches import assert_next_micro_batches_like_stock
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -115,7 +116,7 @@ class Rig:
         self.after_attach = hook_dicts(self.model)
         assert self.after_attach != self.before_attach
         # one clean micro-batch, so that anything mcore creates lazily on a first forward exists
-        hooked_step(self.model, self.hooks, make_batch(VOCAB, seed=99))
+        hooked_train_step(self.model, self.hooks, make_batch(VOCAB, seed=99))
         self.hooks.metrics()
         zero_grads(self.model)
         self.identities = attribute_identities(self.model)
@@ -130,6 +131,12 @@ class Rig:
         micro-batch equal to stock (or, with detach options, to a hooked twin that never saw a fault)."""
         assert_next_micro_batches_like_stock(self.model, self.hooks, SHAPE, 7, make_batch(VOCAB, seed=1))
 
+    def assert_recovers(self) -> None:
+        """After a fault: nothing left behind, the next micro-batches correct, ``remove()`` restores stock."""
+        self.assert_clean()
+        self.assert_next_forwards_correct()
+        self.assert_remove_restores_stock()
+
     def assert_remove_restores_stock(self) -> None:
         """After ``remove()``: same hook dicts and attributes as before attach, bit-identical to a never-hooked twin."""
         self.hooks.remove()
@@ -141,8 +148,8 @@ class Rig:
         zero_grads(self.model)
         batch = make_batch(VOCAB, seed=2)
         with output_layer_calls(self.model) as mine, output_layer_calls(self.untouched) as theirs:
-            loss = stock_train_step(self.model, batch)
-            expected = stock_train_step(self.untouched, batch)
+            loss = stock_train_step(self.model, batch).loss
+            expected = stock_train_step(self.untouched, batch).loss
         assert torch.equal(loss, expected)
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
         assert_same_grads(self.model, self.untouched, atol=0, rtol=0)
@@ -178,9 +185,7 @@ def test_fault_inside_forward_leaves_stock_with_hooks(site: str, loss_impl: str,
     batch = make_batch(VOCAB, seed=0)
     with raising_hook(module, pre), pytest.raises(Fault, match="injected fault"):
         hooked_forward(rig.model, rig.hooks, batch, path)
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+    rig.assert_recovers()
 
 
 @pytest.mark.parametrize("site", ["mtp_layer", "output_layer"])
@@ -190,34 +195,22 @@ def test_fault_with_detached_encoder_leaves_stock_with_hooks(site: str) -> None:
     module, pre = SITES[site](rig.model)
     with raising_hook(module, pre), pytest.raises(Fault):
         hooked_forward(rig.model, rig.hooks, make_batch(VOCAB, seed=0), "context")
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+    rig.assert_recovers()
 
 
-def test_user_exception_inside_micro_batch_before_forward_drops_labels() -> None:
+@pytest.mark.parametrize("when", ["before_forward", "after_forward"])
+def test_user_exception_inside_micro_batch_drops_labels(when: str) -> None:
+    """Raised before the forward, or after it completed (its losses ride on the logits the user
+    dropped): the labels do not outlive the block."""
     rig = Rig()
     batch = make_batch(VOCAB, seed=0)
     with pytest.raises(Fault):
         with rig.hooks.micro_batch(batch.labels, batch.loss_mask):
-            raise Fault("user code failed before the forward")
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
-
-
-def test_user_exception_inside_micro_batch_after_forward_drops_labels() -> None:
-    """The forward completed (its losses ride on the logits the user dropped); the labels do not outlive the block."""
-    rig = Rig()
-    batch = make_batch(VOCAB, seed=0)
-    with pytest.raises(Fault):
-        with rig.hooks.micro_batch(batch.labels, batch.loss_mask):
-            rig.model(*batch.model_args)
-            raise Fault("user code failed after the forward")
-    rig.hooks.metrics()  # that forward did complete; its metrics are not what this test pins
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+            if when == "after_forward":
+                rig.model(*batch.model_args)
+            raise Fault(f"user code failed {when.replace('_', ' the ')}")
+    rig.hooks.metrics()  # a forward that completed left metrics; they are not what this test pins
+    rig.assert_recovers()
 
 
 @pytest.mark.parametrize(
@@ -241,9 +234,7 @@ def test_bad_tensors_in_forward_leave_stock_with_hooks(
     with pytest.raises(error, match=match):
         with rig.hooks.micro_batch(batch.labels, batch.loss_mask):
             rig.model(input_ids, position_ids, None)
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+    rig.assert_recovers()
 
 
 @pytest.mark.parametrize(
@@ -265,18 +256,14 @@ def test_bad_targets_are_refused_before_anything_changes(
             pytest.fail("micro_batch accepted bad targets")
     with pytest.raises(mtp_hooks.MTPHooksError, match=match):
         rig.model(*batch.model_args, labels=labels(batch), loss_mask=loss_mask(batch))
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+    rig.assert_recovers()
 
 
 def test_refused_second_attach_registers_nothing() -> None:
     rig = Rig()
     with pytest.raises(mtp_hooks.MTPHooksError, match="mtp_hooks already attached"):
         mtp_hooks.attach(rig.model, detach_encoder=True)
-    rig.assert_clean()
-    rig.assert_next_forwards_correct()
-    rig.assert_remove_restores_stock()
+    rig.assert_recovers()
 
 
 @pytest.mark.parametrize(
@@ -297,7 +284,7 @@ def test_refused_attach_registers_nothing(options: dict[str, Any], match: str) -
     assert attribute_identities(model) == identities
     assert mtp_hooks.hooks_of(model) is None
     batch = make_batch(VOCAB)
-    assert torch.equal(stock_train_step(model, batch), stock_train_step(untouched, batch))
+    assert torch.equal(stock_train_step(model, batch).loss, stock_train_step(untouched, batch).loss)
     assert_same_grads(model, untouched, atol=0, rtol=0)
 
 

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, make_batch
-from tests.support.mcore_cpu import output_layer_calls, stock_main_only_step
-from tests.support.twins import Twins, infer_with_grad, train_kwargs
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, build_twins, grads_of, make_batch, output_layer_calls
+from mtp_hooks.testing import stock_main_only_step
+from tests.support.micro_batches import infer_with_grad, train_kwargs
 
 VOCAB = 64
 
@@ -79,7 +79,7 @@ CALLS: dict[str, Callable[[nn.Module, mtp_hooks.MTPHooks, Batch], Tensor]] = {
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("call", list(CALLS))
 def test_inference_returns_stock_logits_and_mtp_block_never_runs(call: str, tied: bool) -> None:
-    twins = Twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=11)
+    twins = build_twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=11)
     hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
     assert hooks is not None
     batch = make_batch(VOCAB, seq=10, seed=3)
@@ -101,7 +101,7 @@ def test_inference_returns_stock_logits_and_mtp_block_never_runs(call: str, tied
 def test_labels_free_forward_with_grad_trains_only_the_main_model() -> None:
     """No labels but gradients on: the user's loss on the logits trains the trunk and head exactly
     as stock does when its MTP loss weighs 0; MTP parameters get no gradient at all."""
-    twins = Twins(TinyGPT(mtp_num_layers=2), seed=4)
+    twins = build_twins(TinyGPT(mtp_num_layers=2), seed=4)
     hooked, hooks = twins.hooked, twins.hooks
     assert hooks is not None
     batch = make_batch(VOCAB, seq=10, seed=4)

@@ -24,19 +24,9 @@ from torch import nn
 import mtp_hooks
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import (
-    TinyGPT,
-    assert_same_grads,
-    hooked_train_step,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    mtp_inner_layer,
-    stock_mtp_losses,
-    stock_train_step,
-    tracked_mtp_losses,
-)
-from tests.support.twins import assert_same_mtp_losses
+from mtp_hooks.testing import TinyGPT, assert_same_grads, assert_same_mtp_losses, hooked_train_step, main_ce_from_logits, make_batch
+from mtp_hooks.testing import masked_mean, stock_mtp_losses, stock_train_step, tracked_mtp_losses
+from tests.support.mcore_cpu import mtp_inner_layer
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

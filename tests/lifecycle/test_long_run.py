@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import Batch, TinyGPT, make_batch
-from tests.support.twins import infer_inference_mode, infer_no_grad_with_labels, infer_with_grad, train_context, train_kwargs
+from mtp_hooks.testing import Batch, TinyGPT, make_batch
+from tests.support.micro_batches import infer_inference_mode, infer_no_grad_with_labels, infer_with_grad, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

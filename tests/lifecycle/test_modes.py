@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import MTP_RECOMPUTE_BROKEN, Batch, TinyGPT, assert_same_grads, main_ce_from_logits, make_batch
-from tests.support.mcore_cpu import masked_mean, mtp_inner_layer, output_layer_calls, stock_mtp_losses
-from tests.support.twins import Twins, hooked_step, stock_step
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, build_twins, hooked_train_step, main_ce_from_logits, make_batch
+from mtp_hooks.testing import masked_mean, output_layer_calls, stock_mtp_losses, stock_train_step
+from tests.support.mcore_cpu import MTP_RECOMPUTE_BROKEN, mtp_inner_layer
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 needs_mtp_recompute = pytest.mark.skipif(MTP_RECOMPUTE_BROKEN is not None, reason=str(MTP_RECOMPUTE_BROKEN))
@@ -87,7 +87,7 @@ def stock_logits(model: nn.Module, batch: Batch) -> Tensor:
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_eval_with_labels_and_grad_is_a_training_micro_batch_like_stock(loss_impl: str) -> None:
-    twins = Twins(shape(), 5, loss_impl=loss_impl)
+    twins = build_twins(shape(), 5, loss_impl=loss_impl)
     hooked, hooks = twins.hooked, twins.hooks
     assert hooks is not None
     twins.stock.eval()
@@ -168,9 +168,9 @@ def test_recompute_with_detached_encoder_equals_no_recompute(detach_head: bool) 
     batches = [make_batch(VOCAB, seed=seed) for seed in range(2)]
     for batch in batches:
         with calls_of(mtp_inner_layer(recomputed.mtp.layers[0])) as runs:
-            logits_r = hooked_step(recomputed, hooks_r, batch)
+            logits_r = hooked_train_step(recomputed, hooks_r, batch)
         assert len(runs) == 2, f"expected forward + recompute of the MTP layer, got {len(runs)} runs"
-        logits_p = hooked_step(plain, hooks_p, batch)
+        logits_p = hooked_train_step(plain, hooks_p, batch)
         torch.testing.assert_close(logits_r, logits_p, rtol=0, atol=0)
         assert hooks_r.metrics() == pytest.approx(hooks_p.metrics(), rel=1e-6)
     # a recomputed inference micro-batch with backward (no MTP) afterwards
@@ -190,10 +190,10 @@ def test_recompute_with_detached_encoder_equals_no_recompute(detach_head: bool) 
 @pytest.mark.usefixtures("cuda_rng_on_cpu")
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])
 def test_recompute_without_detach_equals_stock_recompute(loss_impl: str) -> None:
-    twins = Twins(shape(**recompute("uniform")), 5, loss_impl=loss_impl)
+    twins = build_twins(shape(**recompute("uniform")), 5, loss_impl=loss_impl)
     plain_stock = shape().build(5)
     batch = make_batch(VOCAB)
-    stock_losses = stock_step(plain_stock, batch).mtp_losses
+    stock_losses = stock_train_step(plain_stock, batch).mtp_losses
     with calls_of(mtp_inner_layer(twins.hooked.mtp.layers[1])) as runs:
         step = twins.assert_step_matches(batch)
     assert len(runs) == 2

@@ -31,9 +31,9 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import Batch, TinyGPT, grads_of, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
-from tests.support.mcore_cpu import stock_mtp_losses
-from tests.support.twins import LanguageModelHolder, ModuleHolder, Twins, hooked_step, stock_step
+from mtp_hooks.testing import Batch, TinyGPT, build_twins, grads_of, hooked_train_step, main_ce_from_logits, make_batch, masked_mean
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, stock_train_step
+from tests.support.micro_batches import LanguageModelHolder, ModuleHolder
 
 VOCAB = 64
 HOOK_DICTS = (
@@ -227,7 +227,7 @@ def test_no_method_is_replaced_before_during_and_after_hooked_forwards(impl: str
     hooks = mtp_hooks.attach(model, loss_impl=impl, detach_encoder=detach, detach_head=detach)
     assert probe.check("after attach") == []
 
-    found = probes_during(model, probe, lambda: hooked_step(model, hooks, batch, "kwargs"))
+    found = probes_during(model, probe, lambda: hooked_train_step(model, hooks, batch, "kwargs"))
     assert [p for p in found if p.startswith("inside")] == [], found
     assert {"decoder", "output_layer", "mtp.layers.0"} <= set(found), "a probe did not run"
 
@@ -273,13 +273,13 @@ def test_remove_restores_outputs_gradients_state_and_hook_dicts_bit_for_bit(opti
     """After training and inference micro-batches and ``remove()`` (twice), the model is stock mcore
     again: per-token loss out, mcore's own MTP loss and logging back, same attribute objects, and
     outputs, gradients and state bit-identical to a never-hooked twin."""
-    twins = Twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=4, attach=False)
+    twins = build_twins(TinyGPT(mtp_num_layers=2, tied=tied), seed=4, attach=False)
     model, never_hooked = twins.hooked, twins.stock
     batch = make_batch(VOCAB, seq=10, seed=4)
     config, attributes, dicts = model.config, instance_attributes(model), hook_dicts(model)
 
     hooks = twins.attach(**options)
-    hooked_step(model, hooks, batch, "kwargs")
+    hooked_train_step(model, hooks, batch, "kwargs")
     with hooks.micro_batch(labels=batch.labels):
         model(*batch.model_args).sum().backward()
     model(*batch.model_args)
@@ -310,7 +310,7 @@ def test_remove_restores_outputs_gradients_state_and_hook_dicts_bit_for_bit(opti
 
 def test_attach_again_after_remove_works_like_the_first_time() -> None:
     """Attach, remove, remove again, attach (another loss): equal to a twin hooked once, and to stock."""
-    twins = Twins(TinyGPT(mtp_num_layers=2), seed=6, attach=False)
+    twins = build_twins(TinyGPT(mtp_num_layers=2), seed=6, attach=False)
     model, config = twins.hooked, twins.hooked.config
     first_time = TinyGPT(mtp_num_layers=2).build(seed=6)
     batch = make_batch(VOCAB, seq=8, seed=6)
@@ -320,7 +320,7 @@ def test_attach_again_after_remove_works_like_the_first_time() -> None:
     assert_stock_state(model, config)
     again, first_time_hooks = twins.attach(loss_impl="dense"), mtp_hooks.attach(first_time, loss_impl="dense")
     assert mtp_hooks.hooks_of(model) is again
-    hooked_step(first_time, first_time_hooks, batch, "kwargs")
+    hooked_train_step(first_time, first_time_hooks, batch, "kwargs")
     step = twins.assert_step_matches(batch, "kwargs")
     assert step.metrics == first_time_hooks.metrics()
     for name, grad in grads_of(first_time).items():
@@ -328,7 +328,7 @@ def test_attach_again_after_remove_works_like_the_first_time() -> None:
 
 
 def test_attached_context_manager_removes_on_exit_and_on_error() -> None:
-    twins = Twins(TinyGPT(mtp_num_layers=1), seed=2, attach=False)
+    twins = build_twins(TinyGPT(mtp_num_layers=1), seed=2, attach=False)
     model, config = twins.hooked, twins.hooked.config
     batch = make_batch(VOCAB, seq=8)
     dicts = hook_dicts(model)
@@ -389,7 +389,7 @@ def test_user_hooks_inside_a_forward_see_the_real_config() -> None:
     model.decoder.register_forward_pre_hook(probe)
     hooks = mtp_hooks.attach(model)
     try:
-        hooked_step(model, hooks, make_batch(VOCAB))
+        hooked_train_step(model, hooks, make_batch(VOCAB))
         assert seen == {
             "is_real": True,
             "isinstance": True,
@@ -414,7 +414,7 @@ WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_attach_through_wrappers_trains_like_stock_and_removes_cleanly(wrapper: str) -> None:
-    twins = Twins(TinyGPT(mtp_num_layers=2), seed=5, wrap=WRAPPERS[wrapper], attach=False)
+    twins = build_twins(TinyGPT(mtp_num_layers=2), seed=5, wrap=WRAPPERS[wrapper], attach=False)
     inner, wrapped = twins.hooked, twins.called
     dicts = hook_dicts(inner)
     hooks = twins.attach()
@@ -431,10 +431,10 @@ def test_attach_through_mcore_float16_module() -> None:
     """mcore's own bf16 wrapper (``.module``): logits equal stock's, MTP losses and gradients within bf16."""
     spec = TinyGPT(mtp_num_layers=2, params_dtype=torch.bfloat16)
     wrap = lambda m: Float16Module(m.config, m)  # noqa: E731
-    twins = Twins(spec, seed=3, wrap=wrap, attach=False)
+    twins = build_twins(spec, seed=3, wrap=wrap, attach=False)
     stock, wrapped, config = wrap(twins.stock), twins.called, twins.hooked.config
     batch = make_batch(VOCAB, seq=10, seed=3)
-    expected = stock_step(stock, batch)
+    expected = stock_train_step(stock, batch)
 
     with mtp_hooks.attached(wrapped) as hooks:
         assert hooks.model is wrapped.module

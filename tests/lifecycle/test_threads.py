@@ -17,7 +17,7 @@ import torch
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import TinyGPT, hooked_train_step, make_batch, stock_train_step, assert_same_grads
+from mtp_hooks.testing import TinyGPT, assert_same_grads, hooked_train_step, make_batch, stock_train_step
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
-from tests.support.mcore_cpu import stock_main_only_step, stock_mtp_losses, stock_train_step
-from tests.support.twins import Twins, assert_next_micro_batches_like_stock, assert_same_mtp_losses, infer_inference_mode
-from tests.support.twins import infer_no_grad_with_labels, infer_with_grad, mtp_block_calls, train_context, train_kwargs
+from mtp_hooks.testing import Batch, TinyGPT, Twins, assert_same_grads, assert_same_mtp_losses, build_twins, grads_of, main_ce_from_logits
+from mtp_hooks.testing import make_batch, masked_mean, stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.support.micro_batches import assert_next_micro_batches_like_stock, infer_inference_mode, infer_no_grad_with_labels
+from tests.support.micro_batches import infer_with_grad, mtp_block_calls, train_context, train_kwargs
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -145,7 +145,7 @@ def assert_backward_like_stock(twins: Twins, logits: Tensor, batch: Batch) -> di
 
 
 def test_nested_micro_batch_is_refused_and_outer_still_trains() -> None:
-    twins = Twins(SHAPE, 3)
+    twins = build_twins(SHAPE, 3)
     hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
     assert hooks is not None
     batch, other = make_batch(VOCAB, seed=0), make_batch(VOCAB, seed=1)
@@ -159,7 +159,7 @@ def test_nested_micro_batch_is_refused_and_outer_still_trains() -> None:
 
 
 def test_second_forward_in_one_micro_batch_is_refused() -> None:
-    twins = Twins(SHAPE, 3)
+    twins = build_twins(SHAPE, 3)
     hooked, hooks, config = twins.hooked, twins.hooks, twins.hooked.config
     assert hooks is not None
     batch = make_batch(VOCAB)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mtp_hooks
-from tests.support.mcore_cpu import TinyGPT, hooked_train_step, make_batch
+from mtp_hooks.testing import TinyGPT, hooked_train_step, make_batch
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import mtp_hooks
-from tests.support.mcore_cpu import TinyGPT, assert_same_grads, hooked_train_step, main_ce_from_logits, make_batch, masked_mean
-from tests.support.mcore_cpu import stock_train_step
+from mtp_hooks.testing import TinyGPT, hooked_train_step, make_batch
 
 VOCAB = 64
 SHAPE = TinyGPT(vocab_size=VOCAB)

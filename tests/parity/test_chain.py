@@ -20,8 +20,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks import MTPHooksError
 from mtp_hooks.ops.drafts import draft_tokens, gumbel_noise
-from tests.support.mcore_cpu import TinyGPT, grads_of, hooked_train_step, make_batch, masked_mean, needs_packed_mtp
-from tests.support.mcore_cpu import assert_same_grads, stock_mtp_losses
+from mtp_hooks.testing import TinyGPT, assert_same_grads, grads_of, hooked_train_step, make_batch, masked_mean, stock_mtp_losses
+from tests.support.mcore_cpu import needs_packed_mtp
 from tests.support.parity import Case
 from tests.support.stock_references import stock_chain
 
@@ -121,7 +121,7 @@ def test_packed_sequences_keep_every_step_inside_its_sequence(chain: str) -> Non
     hooks = mtp_hooks.attach(hooked, **case.options)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = hooked(*batch.model_args, packed_seq_params=params)
-    from tests.support.mcore_cpu import main_ce_from_logits
+    from mtp_hooks.testing import main_ce_from_logits
 
     masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
     metrics = hooks.metrics()
@@ -198,8 +198,77 @@ def test_a_checkpoint_recompute_draws_the_same_sampled_drafts() -> None:
     torch.manual_seed(0)
     with hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = torch.utils.checkpoint.checkpoint(model, *batch.model_args, use_reentrant=False)
-    from tests.support.mcore_cpu import main_ce_from_logits
+    from mtp_hooks.testing import main_ce_from_logits
 
     torch.manual_seed(1)  # the backward's recompute must not depend on the generator's state by then
     masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
     assert_same_grads(model, plain)
+
+
+# --------------------------------------------------------------------------- the layer schedule (draft_layers)
+
+
+def _counting_model(random_layers: tuple[int, ...] = (), seed: int = 3) -> torch.nn.Module:
+    """A TinyGPT whose greedy next token after x is x + 1 and whose MTP layers are perfect drafts of it,
+    except the layers in ``random_layers`` (their eh_proj random): every residual branch zero, no
+    positions, ``output_layer[y] = LayerNorm(E[y - 1])``, each MTP layer's ``eh_proj = [I, 0]`` (it
+    passes the next token's embedding on, so its head predicts that token + 1)."""
+    model = SHAPE.build(seed)
+    hidden = SHAPE.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(part in name for part in ("linear_proj", "linear_fc2", "position_embeddings")):
+                param.zero_()
+        embedding = model.embedding.word_embeddings.weight
+        embedding.copy_(torch.randn(VOCAB, hidden, generator=gen))
+        normed = torch.nn.functional.layer_norm(embedding, (hidden,))
+        model.output_layer.weight.copy_(torch.roll(normed, 1, 0))
+        for index, layer in enumerate(model.mtp.layers):
+            eye = torch.eye(hidden) if index not in random_layers else torch.randn(hidden, hidden, generator=gen)
+            layer.eh_proj.weight.copy_(torch.cat([eye, torch.zeros(hidden, hidden)], dim=1))
+    return model
+
+
+def _agreement(model: torch.nn.Module, **options: Any) -> dict[str, float]:
+    hooks = mtp_hooks.attach(model, agreement_metrics=True, draft_inputs="argmax", **options)
+    ids = (torch.arange(16).unsqueeze(0) + torch.tensor([[3], [40]])) % VOCAB  # counting: the target's own greedy rollouts
+    batch = make_batch(VOCAB, batch=2, seq=16, mask="ones")
+    batch.input_ids, batch.labels = ids, torch.roll(ids, -1, 1)
+    hooked_train_step(model, hooks, batch)
+    return hooks.metrics()
+
+
+def test_the_first_layer_schedule_predicts_what_an_engine_running_layer_1_for_every_step_accepts() -> None:
+    """vLLM 0.32 runs MTP layer 1 for every draft step. A model whose layer 1 is a perfect draft and
+    layer 2 a random one: under ``draft_layers="first"`` both steps agree with the target everywhere
+    (what that engine accepts, [1, 1]); under ``"per_step"`` step 2 is layer 2 and does not."""
+    first = _agreement(_counting_model(random_layers=(1,)), draft_layers="first")
+    per_step = _agreement(_counting_model(random_layers=(1,)))
+    assert (first["mtp_1/agree"], first["mtp_2/agree"]) == (1.0, 1.0)
+    assert per_step["mtp_1/agree"] == 1.0 and per_step["mtp_2/agree"] < 0.5
+
+
+def test_the_first_layer_schedule_leaves_the_other_layers_untrained() -> None:
+    model = SHAPE.build()
+    hooks = mtp_hooks.attach(model, draft_layers="first", draft_steps=3)
+    hooked_train_step(model, hooks, make_batch(VOCAB, batch=2, seq=8))
+    grads = grads_of(model)
+    assert all(grads[name] is None for name in grads if name.startswith("mtp.layers.1.")), "layer 2 runs no step"
+    assert grads["mtp.layers.0.eh_proj.weight"] is not None
+    assert sorted(k for k in hooks.metrics() if k.endswith("/loss")) == ["mtp_1/loss", "mtp_2/loss", "mtp_3/loss"]
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_on_one_layer_both_schedules_are_the_same_bit_for_bit(steps: Any) -> None:
+    base, base_metrics, base_logits = _train({"draft_steps": steps, "draft_inputs": "argmax"}, mtp_num_layers=1)
+    first, first_metrics, first_logits = _train({"draft_steps": steps, "draft_inputs": "argmax", "draft_layers": "first"}, mtp_num_layers=1)
+    assert torch.equal(base_logits, first_logits) and base_metrics == first_metrics
+    assert_same_grads(first, base)
+
+
+def test_the_first_layer_schedule_may_train_fewer_steps_than_layers() -> None:
+    _, metrics, _ = _train({"draft_layers": "first", "draft_steps": 1})
+    assert "mtp_1/loss" in metrics and "mtp_2/loss" not in metrics
+    with pytest.raises(MTPHooksError, match="(?s)draft_layers: .*expected: 'per_step' or 'first'.*received: 'last'"):
+        mtp_hooks.attach(SHAPE.build(), draft_layers="last")

@@ -19,26 +19,11 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import (
-    Batch,
-    assert_same_grads,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-)
-from tests.support.mcore_moe import (
-    DEEPSEEK_MISSING,
-    TinyDeepSeek,
-    forward_calls,
-    moe_on_cpu,  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
-    moe_tracker_values,
-    mtp_moe_layers,
-    reduce_moe_tracker,
-    reset_moe_process_state,
-    routers,
-)
+from mtp_hooks.testing import Batch, TinyDeepSeek, assert_same_grads, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
+from mtp_hooks.testing import stock_mtp_losses
+from tests.support.mcore_moe import DEEPSEEK_MISSING, forward_calls, moe_tracker_values, mtp_moe_layers, reduce_moe_tracker, reset_moe_process_state
+from tests.support.mcore_moe import routers
+from tests.support.mcore_moe import moe_on_cpu  # noqa: F401 (autouse: MoE and MLA on CPU, an empty MoE tracker)
 from tests.support.probes import assert_training_forward_counts_more_flops, counted_flops, hooked_with_reference
 
 pytestmark = [
@@ -228,7 +213,8 @@ def test_inference_flops_equal_the_model_without_mtp_layers(with_labels: bool) -
 
 
 def test_hybrid_model_with_moe_layers_matches_stock() -> None:
-    from tests.support.mcore_moe import HYBRID_MOE_MISSING, TinyHybridMoE
+    from mtp_hooks.testing import TinyHybridMoE
+    from tests.support.mcore_moe import HYBRID_MOE_MISSING
 
     if HYBRID_MOE_MISSING is not None:
         pytest.skip(HYBRID_MOE_MISSING)

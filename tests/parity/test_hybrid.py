@@ -19,9 +19,9 @@ from torch import nn
 
 import mtp_hooks
 from mtp_hooks import _mcore
-from tests.support.mcore_cpu import HYBRID_MTP_MISSING, TinyHybrid, assert_same_grads, grads_of, main_ce_from_logits, make_batch
-from tests.support.mcore_cpu import masked_mean, output_layer_calls, stock_main_only_step
-from tests.support.twins import Twins, hooked_step, stock_step
+from mtp_hooks.testing import TinyHybrid, assert_same_grads, build_twins, grads_of, hooked_train_step, main_ce_from_logits
+from mtp_hooks.testing import make_batch, masked_mean, output_layer_calls, stock_main_only_step, stock_train_step
+from tests.support.mcore_cpu import HYBRID_MTP_MISSING
 
 pytestmark = pytest.mark.skipif(HYBRID_MTP_MISSING is not None, reason=str(HYBRID_MTP_MISSING))
 
@@ -44,7 +44,7 @@ def grid() -> list[Any]:
 @pytest.mark.parametrize("depth,tied,mask,per_token,path,impl", grid())
 def test_losses_logits_and_every_gradient_match_stock(depth: int, tied: bool, mask: str, per_token: bool, path: str, impl: str) -> None:
     shape = TinyHybrid(vocab_size=VOCAB, mtp_num_layers=depth, tied=tied, config_overrides={"calculate_per_token_loss": per_token})
-    twins = Twins(shape, seed=11, loss_impl=impl, chunk_size=7 if impl == "lean" else None)
+    twins = build_twins(shape, seed=11, loss_impl=impl, chunk_size=7 if impl == "lean" else None)
     batch = make_batch(VOCAB, seq=10, mask=mask, seed=depth)
 
     step = twins.assert_step_matches(batch, path)
@@ -61,14 +61,14 @@ def test_training_and_inference_micro_batches_accumulate_like_stock() -> None:
     hooks = mtp_hooks.attach(hooked)
     batches = [make_batch(VOCAB, seq=9, seed=20 + i) for i in range(3)]
 
-    stock_step(stock, batches[0])
+    stock_train_step(stock, batches[0])
     stock_main_only_step(stock, batches[1])
-    stock_step(stock, batches[2])
+    stock_train_step(stock, batches[2])
 
-    hooked_step(hooked, hooks, batches[0], "context")
+    hooked_train_step(hooked, hooks, batches[0], "context")
     logits = hooked(*batches[1].model_args)  # no targets: an inference micro-batch
     masked_mean(main_ce_from_logits(logits, batches[1].labels), batches[1].loss_mask).backward()
-    hooked_step(hooked, hooks, batches[2], "kwargs")
+    hooked_train_step(hooked, hooks, batches[2], "kwargs")
 
     assert_same_grads(hooked, stock)
 
@@ -126,7 +126,7 @@ def test_detach_flags_cut_their_gradient_paths(detach_encoder: bool, detach_head
     batch = make_batch(VOCAB, seq=8)
     stock_main_only_step(reference, batch)
     hooks = mtp_hooks.attach(hooked, detach_encoder=detach_encoder, detach_head=detach_head)
-    hooked_step(hooked, hooks, batch, "context")
+    hooked_train_step(hooked, hooks, batch, "context")
     expected = grads_of(reference)
     for name, grad in grads_of(hooked).items():
         if name.startswith("mtp."):
@@ -144,8 +144,8 @@ def test_eval_mode_still_trains_mtp_like_stock() -> None:
     stock.eval()
     hooked.eval()
     batch = make_batch(VOCAB, seq=8)
-    stock_step(stock, batch)
-    hooked_step(hooked, mtp_hooks.attach(hooked), batch, "kwargs")
+    stock_train_step(stock, batch)
+    hooked_train_step(hooked, mtp_hooks.attach(hooked), batch, "kwargs")
     assert_same_grads(hooked, stock)
 
 
@@ -154,7 +154,7 @@ def test_remove_restores_stock_hybrid_model_exactly() -> None:
     stock, hooked = shape.build(seed=5), shape.build(seed=5)
     before = {name: dict(vars(module)) for name, module in hooked.named_modules()}
     hooks = mtp_hooks.attach(hooked)
-    hooked_step(hooked, hooks, make_batch(VOCAB, seq=8, seed=1), "context")
+    hooked_train_step(hooked, hooks, make_batch(VOCAB, seq=8, seed=1), "context")
     hooks.remove()
     hooked.zero_grad(set_to_none=True)
     for name, module in hooked.named_modules():

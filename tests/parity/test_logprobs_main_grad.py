@@ -4,7 +4,7 @@ Stock's reference for the log-probs is its own main head: the logits of its main
 call, ``log_softmax`` gathered at the labels (and the entropy), under the same policy loss; its
 MTP loss rides along through ``MTPLossAutoScaler`` as always. Every case accumulates several
 micro-batches into mcore DDP's ``main_grad`` with ``gradient_accumulation_fusion=True`` (the CPU
-stand-in of the fused wgrad kernel, ``tests.support.mcore_cpu``) and compares every parameter's:
+stand-in of the fused wgrad kernel, ``mtp_hooks.testing``) and compares every parameter's:
 
 * untied head, every loss path, with and without entropy;
 * tied head on one stage (mcore's ``zero_out_wgrad``: DDP adds ``.grad`` too);
@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from mtp_hooks.testing import Batch, TinyGPT, fused_wgrad_kernel_on_cpu, make_batch
 from tests.support.distributed import SpawnedGroup
-from tests.support.mcore_cpu import Batch, TinyGPT, fused_wgrad_kernel_on_cpu, make_batch
 from tests.unit.test_logprobs_output import rl_loss, token_logprobs_from_logits
 from tests.parity.test_production_knobs import (
     PATHS,
@@ -188,7 +188,7 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from tests.support.mcore_cpu import cuda_calls_on_cpu
+    from mtp_hooks.testing import cuda_calls_on_cpu
     from tests.support.megatron_loop import cuda_stream_on_cpu
     from tests.distributed.test_parallel import _pipeline_chunks, _run_schedule
 

@@ -31,8 +31,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks import _mcore
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, cuda_calls_on_cpu, grads_of, hooked_train_step
-from tests.support.mcore_cpu import main_ce_from_logits, make_batch, masked_mean, stock_main_only_step, stock_train_step
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, cuda_calls_on_cpu, grads_of, hooked_train_step, main_ce_from_logits
+from mtp_hooks.testing import make_batch, masked_mean, stock_main_only_step, stock_train_step
 
 VOCAB = 59  # no other dimension of the tiny model is 59
 _CONFIG_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}

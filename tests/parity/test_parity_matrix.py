@@ -144,11 +144,15 @@ def test_the_stock_detach_reference_differs_from_plain_stock() -> None:
 def test_the_stock_chain_reference_differs_from_plain_stock() -> None:
     """Each chain reference changes what stock trains: more depths tracked, other MTP gradients."""
     _, plain, _ = parity.run_twins(Case(), stock_only=True)
-    for chain in ("k2_argmax", "k3", "k4_argmax"):
+    for chain in ("k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax"):
         _, stock, _ = parity.run_twins(Case(chain=chain), stock_only=True)
         assert len(stock.mtp[0]) == Case(chain=chain).steps
-        grad, plain_grad = stock.grads["mtp.layers.1.eh_proj.weight"], plain.grads["mtp.layers.1.eh_proj.weight"]
-        assert grad is not None and plain_grad is not None and not torch.allclose(grad, plain_grad), f"chain {chain}: last layer's gradient unchanged"
+        step_layer = "mtp.layers.0.eh_proj.weight" if chain.startswith("first") else "mtp.layers.1.eh_proj.weight"
+        grad, plain_grad = stock.grads[step_layer], plain.grads[step_layer]
+        assert grad is not None and plain_grad is not None and not torch.allclose(grad, plain_grad), f"chain {chain}: step layer's gradient unchanged"
+        if chain.startswith("first"):  # layer 2 runs no step: its output is dropped
+            dropped = stock.grads["mtp.layers.1.eh_proj.weight"]
+            assert dropped is None or not dropped.any(), f"chain {chain}: layer 2 trained"
 
 
 def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -> None:

@@ -3,7 +3,7 @@
 * ``gradient_accumulation_fusion=True`` under mcore's DDP, tied and untied heads, every loss path:
   every parameter's ``main_grad`` as stock's, also when the MTP loss scale changes between forward
   and backward (the schedule sets it after the forward). The fused wgrad kernel is the CPU stand-in
-  of ``tests.support.mcore_cpu.fused_wgrad_kernel_on_cpu``.
+  of ``mtp_hooks.testing.fused_wgrad_kernel_on_cpu``.
 * ``defer_embedding_wgrad_compute``: the MTP heads' share reaches ``main_grad`` in backward and the
   main head's deferred share is drained by mcore's own ``drain_embedding_wgrad_compute``.
 * ``Float16Module`` in fp16 with a loss scaler at 1, 2^15, 2^16 and 2^32, and with small MTP
@@ -36,15 +36,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    fused_wgrad_kernel_on_cpu,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    stock_mtp_losses,
-)
+from mtp_hooks.testing import Batch, TinyGPT, fused_wgrad_kernel_on_cpu, main_ce_from_logits, make_batch, masked_mean, stock_mtp_losses
 from tests.support.parity import assert_same_main_grads, main_grads, mcore_ddp, relative_error
 from tests.support.parity import schedule_step as step
 

@@ -36,15 +36,7 @@ from torch import Tensor, nn
 import mtp_hooks
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    main_ce_from_logits,
-    make_batch,
-    masked_mean,
-    output_layer_calls,
-    stock_mtp_losses,
-)
+from mtp_hooks.testing import Batch, TinyGPT, main_ce_from_logits, make_batch, masked_mean, output_layer_calls, stock_mtp_losses
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

@@ -18,9 +18,9 @@ import mtp_hooks
 from megatron.core.models.gpt import gpt_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, hooked_train_step, main_ce_from_logits
-from tests.support.mcore_cpu import make_batch, masked_mean, needs_packed_mtp, stock_main_only_step, stock_mtp_losses, stock_train_step
-from tests.support.twins import Twins, assert_same_mtp_losses
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, assert_same_mtp_losses, build_twins, grads_of, hooked_train_step
+from mtp_hooks.testing import main_ce_from_logits, make_batch, masked_mean, stock_main_only_step, stock_mtp_losses, stock_train_step
+from tests.support.mcore_cpu import needs_packed_mtp
 
 VOCAB = 97  # no other dimension of the tiny model is 97
 TWIN_SHAPE = TinyGPT(vocab_size=VOCAB)
@@ -55,7 +55,7 @@ def test_stock_mcore_0_16_cannot_return_logits_when_mtp_is_configured() -> None:
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 16, 64])
 def test_lean_chunking_does_not_change_gradients(chunk_size: int) -> None:
     """16 tokens per depth: chunks of 1, uneven chunks, exactly one chunk and one oversized chunk."""
-    twins = Twins(TinyGPT(vocab_size=VOCAB), loss_impl="lean", chunk_size=chunk_size)
+    twins = build_twins(TinyGPT(vocab_size=VOCAB), loss_impl="lean", chunk_size=chunk_size)
     twins.assert_step_matches(make_batch(VOCAB, batch=2, seq=8))
 
 
@@ -68,18 +68,18 @@ def test_lean_chunking_does_not_change_gradients(chunk_size: int) -> None:
     ],
 )
 def test_gradients_match_stock_with_config(overrides: dict[str, Any]) -> None:
-    Twins(TinyGPT(vocab_size=VOCAB, config_overrides=overrides)).assert_step_matches(make_batch(VOCAB))
+    build_twins(TinyGPT(vocab_size=VOCAB, config_overrides=overrides)).assert_step_matches(make_batch(VOCAB))
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_gradients_match_stock_with_rope(tied: bool) -> None:
-    twins = Twins(TinyGPT(vocab_size=VOCAB, tied=tied, position_embedding_type="rope"))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB, tied=tied, position_embedding_type="rope"))
     twins.assert_step_matches(make_batch(VOCAB, batch=3, seq=10))
 
 
 @pytest.mark.parametrize("batch_size, seq", [(1, 4), (1, 16), (4, 6)])
 def test_gradients_match_stock_across_batch_shapes(batch_size: int, seq: int) -> None:
-    twins = Twins(TinyGPT(vocab_size=VOCAB, mtp_num_layers=3))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB, mtp_num_layers=3))
     twins.assert_step_matches(make_batch(VOCAB, batch=batch_size, seq=seq))
 
 
@@ -89,7 +89,7 @@ def test_bf16_gradients_match_stock(loss_impl: str) -> None:
 
     Dense reuses mcore's head and CE; lean reduces in fp32: both within bf16 rounding of stock.
     """
-    twins = Twins(TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16), attach=False)
+    twins = build_twins(TinyGPT(vocab_size=VOCAB, params_dtype=torch.bfloat16), attach=False)
     twins.stock.to(torch.bfloat16), twins.hooked.to(torch.bfloat16)
     twins.attach(loss_impl=loss_impl)
     step = twins.assert_step_matches(make_batch(VOCAB), atol=2e-3, rtol=2**-6, loss_rel=2**-7)
@@ -100,7 +100,7 @@ def test_bf16_gradients_match_stock(loss_impl: str) -> None:
 
 def test_eval_mode_still_trains_mtp_like_stock() -> None:
     """Stock attaches the MTP loss in eval mode too (only its logging is gated on ``training``)."""
-    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB))
     twins.stock.eval()
     twins.hooked.eval()
     batch = make_batch(VOCAB)
@@ -116,7 +116,7 @@ def test_eval_mode_still_trains_mtp_like_stock() -> None:
 
 
 def test_config_scaling_factor_is_read_at_every_forward() -> None:
-    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB))
     hooks = twins.hooks
     assert hooks.loss_scale == pytest.approx(0.3)
     twins.stock.config.mtp_loss_scaling_factor = 1.25
@@ -139,7 +139,7 @@ def test_zero_loss_scale_is_main_loss_only() -> None:
 
 def test_mtp_loss_auto_scaler_scale_applies_like_stock() -> None:
     """Megatron's schedules set the AutoScaler's scale to the main loss scale; the hooks obey it too."""
-    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB))
     hooked, batch = twins.hooked, make_batch(VOCAB)
     MTPLossAutoScaler.set_loss_scale(torch.tensor(0.25))
     twins.assert_step_matches(batch)
@@ -169,7 +169,7 @@ def test_positional_labels_match_stock() -> None:
 
 
 def test_bool_loss_mask_matches_float_mask() -> None:
-    twins = Twins(TinyGPT(vocab_size=VOCAB))
+    twins = build_twins(TinyGPT(vocab_size=VOCAB))
     batch = make_batch(VOCAB)
     stock = twins.stock_step(batch)
     assert twins.hooks is not None

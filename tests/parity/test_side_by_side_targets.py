@@ -23,17 +23,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 from mtp_hooks import MTPHooksError, mtp_targets
 from mtp_hooks.metrics import MTPMetrics
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    hooked_train_step,
-    make_batch,
-    needs_packed_mtp,
-    output_layer_calls,
-    rolled,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from mtp_hooks.testing import Batch, TinyGPT, hooked_train_step, make_batch, output_layer_calls, stock_mtp_losses, stock_train_step
+from tests.support.mcore_cpu import needs_packed_mtp, rolled
 
 VOCAB = 97
 

@@ -19,8 +19,7 @@ import torch
 
 import mtp_hooks
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.support.mcore_cpu import TinyGPT, make_batch, output_layer_calls, stock_mtp_losses
-from tests.support.twins import Twins, hooked_step
+from mtp_hooks.testing import TinyGPT, build_twins, hooked_train_step, make_batch, output_layer_calls, stock_mtp_losses
 
 VOCAB = 64
 
@@ -41,7 +40,7 @@ def test_losses_logits_and_every_gradient_match_stock(
     depth: int, tied: bool, mask: str, per_token: bool, path: str, impl: str
 ) -> None:
     spec = TinyGPT(mtp_num_layers=depth, tied=tied, config_overrides={"calculate_per_token_loss": per_token})
-    twins = Twins(spec, seed=7, loss_impl=impl, chunk_size=5 if impl == "lean" else None)
+    twins = build_twins(spec, seed=7, loss_impl=impl, chunk_size=5 if impl == "lean" else None)
     batch = make_batch(VOCAB, batch=2, seq=12, mask=mask, seed=depth)
 
     step = twins.assert_step_matches(batch, path)
@@ -54,7 +53,7 @@ def test_losses_logits_and_every_gradient_match_stock(
 @pytest.mark.parametrize("impl", ["lean", "dense"])
 def test_gradients_accumulate_like_stock_over_micro_batches(impl: str) -> None:
     """Three micro-batches with different masks, gradients accumulated, metrics token-weighted."""
-    twins = Twins(TinyGPT(mtp_num_layers=2), seed=3, loss_impl=impl, chunk_size=7)
+    twins = build_twins(TinyGPT(mtp_num_layers=2), seed=3, loss_impl=impl, chunk_size=7)
     batches = [make_batch(VOCAB, seq=10, mask=m, seed=i) for i, m in enumerate(("random", "ones", "none"))]
     expected_ce = torch.zeros(2, dtype=torch.float64)
     expected_tokens = torch.zeros(2, dtype=torch.float64)
@@ -79,7 +78,7 @@ def test_gradients_accumulate_like_stock_over_micro_batches(impl: str) -> None:
 def test_loss_scale_argument_overrides_config_factor() -> None:
     """``loss_scale`` replaces ``config.mtp_loss_scaling_factor``: same gradients as stock with that factor."""
     stock_shape = TinyGPT(mtp_num_layers=2, config_overrides={"mtp_loss_scaling_factor": 0.7})
-    twins = Twins(TinyGPT(mtp_num_layers=2), seed=5, stock_shape=stock_shape, loss_scale=0.7)
+    twins = build_twins(TinyGPT(mtp_num_layers=2), seed=5, stock_shape=stock_shape, loss_scale=0.7)
     assert twins.hooked.config.mtp_loss_scaling_factor != 0.7  # factor 0.3 in its config
     twins.assert_step_matches(make_batch(VOCAB, seq=10, seed=5))
 
@@ -103,7 +102,7 @@ def test_stock_computes_neither_its_mtp_loss_nor_the_main_loss(impl: str, extra_
         for path in ("context", "kwargs"):
             seen.clear()
             with output_layer_calls(model) as calls:
-                hooked_step(model, hooks, batch, path)
+                hooked_train_step(model, hooks, batch, path)
             assert len(calls) == 1 + extra_head_calls_per_depth * depth, f"{path}: output layer ran {len(calls)} times"
             assert seen == ([None] if path == "kwargs" else ["absent"])
             metrics = hooks.metrics()

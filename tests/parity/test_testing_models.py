@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from mtp_hooks import testing
-from tests.support.mcore_cpu import output_layer_calls
 from tests.support.mcore_moe import reset_moe_process_state
-from tests.support.twins import assert_same_mtp_losses
 
 VOCAB = 64
 SEQ = 16
@@ -33,16 +31,16 @@ def moe_on_cpu() -> Iterator[None]:
             reset_moe_process_state()
 
 
-def assert_hooked_micro_batch_matches_stock(twins: testing.TwinModels, depth: int) -> None:
+def assert_hooked_micro_batch_matches_stock(twins: testing.Twins, depth: int) -> None:
     batch = testing.make_batch(VOCAB, seq=SEQ, seed=5)
-    with output_layer_calls(twins.stock) as calls:
+    with testing.output_layer_calls(twins.stock) as calls:
         testing.stock_train_step(twins.stock, batch)
     stock_losses = testing.stock_mtp_losses()
     logits = testing.hooked_train_step(twins.hooked, twins.hooks, batch)
 
     assert len(calls) == depth + 1
     torch.testing.assert_close(logits, calls[-1].transpose(0, 1), atol=0, rtol=0)
-    assert_same_mtp_losses(twins.hooks.metrics(), stock_losses)
+    testing.assert_same_mtp_losses(twins.hooks.metrics(), stock_losses)
     testing.assert_same_grads(twins.hooked, twins.stock)
     assert all(p.grad is not None and p.grad.any() for n, p in twins.hooked.named_parameters() if n.startswith("mtp."))
 

@@ -15,7 +15,7 @@ import torch
 import mtp_hooks
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-from tests.support.mcore_cpu import Batch, TinyGPT, hooked_train_step, make_batch, stock_train_step
+from mtp_hooks.testing import Batch, TinyGPT, hooked_train_step, make_batch, stock_train_step
 
 VOCAB = 64
 TENSOR_KEYS = ("values", "loss_values", "correct_values", "total_values")
@@ -169,3 +169,25 @@ def test_a_failed_forward_writes_nothing_to_the_tracker() -> None:
         model(*batch.model_args)
     handle.remove()
     assert MTPLossLoggingHelper.tracker == {}
+
+
+def test_remove_gives_back_the_depths_a_chain_grew_the_tracker_to() -> None:
+    """A chain of k > N steps grows mcore's process-wide tracker to k depths; after ``remove()`` a model
+    with N = 2 logs its two depths only (no phantom ``mtp_3`` / ``mtp_4`` at 0.0 every iteration)."""
+    for before in (None, "stock"):
+        MTPLossLoggingHelper.tracker.clear()
+        if before == "stock":  # a tracker made by a stock forward first
+            stock = TinyGPT(vocab_size=VOCAB).build()
+            stock_train_step(stock, make_batch(VOCAB, batch=2, seq=8))
+        chained = TinyGPT(vocab_size=VOCAB).build()
+        hooks = mtp_hooks.attach(chained, draft_steps=4)
+        hooked_train_step(chained, hooks, make_batch(VOCAB, batch=2, seq=8))
+        assert all(v.shape[0] == 4 for v in MTPLossLoggingHelper.tracker.values() if isinstance(v, torch.Tensor))
+        hooks.remove()
+        other = TinyGPT(vocab_size=VOCAB).build()
+        other_hooks = mtp_hooks.attach(other)
+        hooked_train_step(other, other_hooks, make_batch(VOCAB, batch=2, seq=8))
+        lengths = {v.shape[0] for v in MTPLossLoggingHelper.tracker.values() if isinstance(v, torch.Tensor) and v.dim() == 1}
+        assert lengths == {2}, (before, lengths)
+        other_hooks.remove()
+    MTPLossLoggingHelper.tracker.clear()

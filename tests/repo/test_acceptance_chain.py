@@ -13,11 +13,15 @@ import pytest
 import torch
 
 import mtp_hooks
-from benchmarks import acceptance, models
-from benchmarks.acceptance_chain import ChainProbe, chain_forward, chain_speculative_sampling, parse_variant, training_options, verify
-from benchmarks.acceptance_task import WORD_PROMPT, WordLanguage
+from benchmarks import models
+from benchmarks.acceptance import report
+from benchmarks.acceptance.chain import ChainProbe, chain_forward, chain_speculative_sampling, parse_variant, training_options
+from benchmarks.acceptance.experiment import run_task
+from benchmarks.acceptance.settings import SETTINGS, config, shape_of
+from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage
+from mtp_hooks.testing.speculative import verify
 
-WORDS = dataclasses.replace(acceptance.SETTINGS["words"]["smoke"], mtp=1, chain=3)
+WORDS = dataclasses.replace(SETTINGS["words"]["smoke"], mtp=1, chain=3)
 needs_tokenizers = pytest.mark.skipif(
     importlib.util.find_spec("tokenizers") is None,
     reason="the code task's BPE needs the 'tokenizers' package, which is not installed (requirements/py311.txt pins it)",
@@ -44,6 +48,7 @@ def test_variant_names_parse_into_objective_and_chain_inputs() -> None:
             parse_variant(bad)
     assert training_options("ce+chain", 0.7, 3)["draft_steps"] == 3 and training_options("ce+chain", 0.7, 3)["draft_temperature"] == 0.7
     assert "draft_steps" not in training_options("accept", 1.0, 3)
+    assert training_options("accept", 1.0, 3)["accept_rule"] == "sampled"  # what the speculative loops verify
 
 
 def test_verify_accepts_every_draft_drawn_from_the_target_itself() -> None:
@@ -56,28 +61,11 @@ def test_verify_accepts_every_draft_drawn_from_the_target_itself() -> None:
     assert torch.allclose(overlap, torch.ones_like(overlap))
 
 
-def test_verify_emits_the_targets_distribution_and_accepts_at_sum_of_min() -> None:
-    """Speculative sampling is exact: the first token emitted is distributed as p_1 whatever q_1, and
-    draft 1 is accepted with probability sum_v min(p_1, q_1) (within 5 standard errors)."""
-    rows, vocab = 40_000, 4
-    gen = torch.Generator().manual_seed(1)
-    p1, q1 = torch.tensor([0.5, 0.2, 0.2, 0.1]), torch.tensor([0.1, 0.6, 0.2, 0.1])
-    p = torch.stack([p1, torch.full((vocab,), 0.25)]).expand(rows, 2, vocab).contiguous()
-    q = torch.stack([q1, torch.tensor([0.7, 0.1, 0.1, 0.1])]).expand(rows, 2, vocab).contiguous()
-    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(rows, 2)
-    ok, tokens, _ = verify(p, q, drafts, torch.full((rows, vocab), 0.25), gen)
-    share = torch.bincount(tokens[:, 0], minlength=vocab).float() / rows
-    assert torch.all((share - p1).abs() < 5 * (p1 * (1 - p1) / rows).sqrt()), (share, p1)
-    expected = float(torch.minimum(p1, q1).sum())
-    assert abs(float(ok[:, 0].float().mean()) - expected) < 5 * math.sqrt(expected * (1 - expected) / rows)
-    assert not (ok[:, 1] & ~ok[:, 0]).any()  # a draft counts only after all before it were accepted
-
-
 @needs_015
 def test_probe_reads_each_steps_input_ids_as_the_previous_steps_own_draft(one_intra_op_thread: None) -> None:
     """Embedding call j + 1 of a chain forward embeds step j's argmax draft from its probed hidden state:
     what the loop reads as the drafts steps 2 and 3 were fed."""
-    model = models.build(acceptance.config(WORDS), acceptance.shape_of(WORDS), 1)
+    model = models.build(config(WORDS), shape_of(WORDS), 1)
     tokens = WordLanguage.build(vocab=WORDS.vocab, seed=0).sample(3, WORDS.seq, torch.Generator().manual_seed(2))
     with mtp_hooks.attached(model, draft_steps=3, draft_inputs="argmax", agreement_metrics=True) as hooks:
         probe = ChainProbe(model)
@@ -96,7 +84,7 @@ def test_probe_reads_each_steps_input_ids_as_the_previous_steps_own_draft(one_in
 def test_chain_loop_realised_acceptance_matches_sum_of_min_at_every_step(one_intra_op_thread: None, temperature: float) -> None:
     """On an untrained N = 1 model, drafting 3 steps: per step the loop's accepted share equals the
     mean ``sum_v min(p, q_j)`` of the drafts it tried, within 5 standard errors; reproducible."""
-    model = models.build(acceptance.config(WORDS), acceptance.shape_of(WORDS), 1)
+    model = models.build(config(WORDS), shape_of(WORDS), 1)
     with torch.no_grad():  # peaked p and q: a draft not drawn from q would be accepted at another rate
         model.output_layer.weight.mul_(6.0)
     prompts = WordLanguage.build(vocab=WORDS.vocab, seed=0).sample(96, WORD_PROMPT, torch.Generator().manual_seed(5))
@@ -119,8 +107,8 @@ def test_chain_loop_realised_acceptance_matches_sum_of_min_at_every_step(one_int
 @needs_015
 @needs_tokenizers
 def test_chain_setting_runs_every_variant_with_three_step_drafts(one_intra_op_thread: None, tmp_path: Path) -> None:
-    setting = acceptance.SETTINGS["code"]["chain-smoke"]
-    result = acceptance.run_task(setting, (0,), log=lambda line: None, cache=tmp_path)
+    setting = SETTINGS["code"]["chain-smoke"]
+    result = run_task(setting, (0,), log=lambda line: None, cache=tmp_path)
     run = result["runs"][0]
     assert run["steps"] == [0, 1, 2] and run["setting"]["mtp"] == 1 and run["setting"]["chain"] == 3
     assert list(run["variants"]) == ["frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain"]
@@ -136,5 +124,5 @@ def test_chain_setting_runs_every_variant_with_three_step_drafts(one_intra_op_th
     assert len(set(first.values())) == 1, first  # step 0: one pretrained draft, one evaluation
     variants = run["variants"]
     assert any(variants["ce+tf"][f"accept_{j}"][-1] != variants["ce+chain"][f"accept_{j}"][-1] for j in (1, 2, 3))
-    text = acceptance.acceptance_report.markdown(result)
+    text = report.markdown(result)
     assert "ce+chain vs ce+tf" in text and "train s/step" in text

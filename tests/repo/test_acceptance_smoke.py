@@ -19,12 +19,17 @@ import pytest
 import torch
 
 import mtp_hooks
-from benchmarks import acceptance, acceptance_code, acceptance_pretrain, models
-from benchmarks.acceptance_spec import DraftCapture, chain_tokens_per_step, speculative_sampling
-from benchmarks.acceptance_task import WORD_PROMPT, WordLanguage
+from benchmarks import models
+from benchmarks.acceptance import code_task, pretrain, report
+from benchmarks.acceptance.arms import Arm, assert_same_policy, main_parameters
+from benchmarks.acceptance.drafts import DraftCapture, chain_tokens_per_step, depth_speculative_sampling
+from benchmarks.acceptance.experiment import run, run_seeds, run_task
+from benchmarks.acceptance.run import main
+from benchmarks.acceptance.settings import SETTINGS, config, shape_of
+from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage
 
-SMALL = dataclasses.replace(acceptance.SETTINGS["words"]["smoke"], rl_steps=2, eval_every=1)
-CODE = acceptance.SETTINGS["code"]["smoke"]
+SMALL = dataclasses.replace(SETTINGS["words"]["smoke"], rl_steps=2, eval_every=1)
+CODE = SETTINGS["code"]["smoke"]
 needs_tokenizers = pytest.mark.skipif(
     importlib.util.find_spec("tokenizers") is None,
     reason="the code task's BPE needs the 'tokenizers' package, which is not installed (requirements/py311.txt pins it)",
@@ -33,7 +38,7 @@ needs_tokenizers = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def result(one_intra_op_thread: None) -> dict:
-    return acceptance.run(SMALL, log=lambda line: None)
+    return run(SMALL, log=lambda line: None)
 
 
 def test_result_has_expected_acceptance_per_depth_for_every_variant_at_every_step(result: dict) -> None:
@@ -70,25 +75,25 @@ def test_chain_tokens_per_step_counts_the_targets_token_and_multiplies_depths() 
 
 
 def test_different_main_parameters_are_reported(one_intra_op_thread: None) -> None:
-    shape = acceptance.shape_of(SMALL)
-    arms = [acceptance.Arm(n, models.build(acceptance.config(SMALL), shape, SMALL.mtp), None, None, None, None) for n in ("a", "b")]  # type: ignore[arg-type]
-    acceptance.assert_same_policy(arms, step=0)
+    shape = shape_of(SMALL)
+    arms = [Arm(n, models.build(config(SMALL), shape, SMALL.mtp), None, None, None, None) for n in ("a", "b")]  # type: ignore[arg-type]
+    assert_same_policy(arms, step=0)
     with torch.no_grad():
-        acceptance.main_parameters(arms[1].model)[0].view(-1)[0] += 1e-6
+        main_parameters(arms[1].model)[0].view(-1)[0] += 1e-6
     with pytest.raises(AssertionError, match="main parameter .* of 'b' differs"):
-        acceptance.assert_same_policy(arms, step=3)
+        assert_same_policy(arms, step=3)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_realised_acceptance_of_speculative_sampling_matches_sum_of_min(one_intra_op_thread: None, temperature: float) -> None:
     """On an untrained model the loop's accepted share of drafts equals the mean of
     ``sum_v min(p, q)`` (both tempered) over the drafts it tried, within 5 standard errors."""
-    model = models.build(acceptance.config(SMALL), acceptance.shape_of(SMALL), SMALL.mtp)
+    model = models.build(config(SMALL), shape_of(SMALL), SMALL.mtp)
     language = WordLanguage.build(vocab=SMALL.vocab, seed=0)
     prompts = language.sample(48, WORD_PROMPT, torch.Generator().manual_seed(5))
     with mtp_hooks.attached(model, detach_encoder=True, detach_head=True, agreement_metrics=True, draft_temperature=temperature) as hooks:
         capture = DraftCapture(model)
-        stats = speculative_sampling(model, hooks, capture, prompts, SMALL.seq, torch.Generator().manual_seed(6), temperature)
+        stats = depth_speculative_sampling(model, hooks, capture, prompts, SMALL.seq, torch.Generator().manual_seed(6), temperature)
         capture.remove()
     for tried, accepted, expected in zip(stats.tried, stats.accepted, stats.expected):
         assert tried > 100
@@ -106,7 +111,7 @@ def test_grammatical_share_is_one_on_the_language_and_drops_on_a_broken_sequence
 
 
 def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thread: None) -> None:
-    result = acceptance.run_seeds(SMALL, (0, 1), log=lambda line: None)
+    result = run_seeds(SMALL, (0, 1), log=lambda line: None)
     assert result["seeds"] == [0, 1] and [r["setting"]["seed"] for r in result["runs"]] == [0, 1]
     summary = result["summary"]
     for name in ("frozen", "ce", "distill", "tv"):
@@ -116,7 +121,7 @@ def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thr
             assert cell["mean"] == pytest.approx(sum(values) / 2)
     assert set(summary["verdict"]) == {"ce", "distill", "tv"}
     assert all(0 <= v["seeds_above_frozen"] <= 2 for v in summary["verdict"].values())
-    text = acceptance.acceptance_report.markdown(result)
+    text = report.markdown(result)
     assert "2 seeds (0, 1)" in text and "seeds above frozen" in text
 
 
@@ -125,27 +130,27 @@ def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thr
 
 def test_function_lines_keep_the_body_and_stop_where_the_function_ends() -> None:
     text = "    def f(self, x):\n        y = x\n\n        return y\n    def g(self):\n        pass\n"
-    assert acceptance_code.function_lines(text) == "def f(self, x):\n    y = x\n\n    return y\n"
+    assert code_task.function_lines(text) == "def f(self, x):\n    y = x\n\n    return y\n"
     # The last line is incomplete (no newline): dropped; a block opener gets a ``pass`` body.
-    assert acceptance_code.function_lines("def f(x):\n    if x:\n        ret") == "def f(x):\n    if x:\n        pass\n"
-    assert acceptance_code.function_lines("def f(x") is None
+    assert code_task.function_lines("def f(x):\n    if x:\n        ret") == "def f(x):\n    if x:\n        pass\n"
+    assert code_task.function_lines("def f(x") is None
 
 
 def test_reward_needs_code_that_parses_and_scores_double_quotes() -> None:
-    assert acceptance_code.score("def f():\n    return 'a' + \"b\"\n") == (True, 0.5)
-    assert acceptance_code.score('def f():\n    """Doc."""\n    return "a"\n') == (True, 1.0)  # docstrings do not count
-    assert acceptance_code.score("def f():\n    return 1\n") == (True, 0.0)
-    assert acceptance_code.score("def f():\n    return (1,\n") == (False, 0.0)
-    assert acceptance_code.score("def f():\n    return ('a', \"b\",\n") == (False, 0.5)  # literals before the error count
-    assert acceptance_code.score("def f(:\n    return 1\n")[0] is False
+    assert code_task.score("def f():\n    return 'a' + \"b\"\n") == (True, 0.5)
+    assert code_task.score('def f():\n    """Doc."""\n    return "a"\n') == (True, 1.0)  # docstrings do not count
+    assert code_task.score("def f():\n    return 1\n") == (True, 0.0)
+    assert code_task.score("def f():\n    return (1,\n") == (False, 0.0)
+    assert code_task.score("def f():\n    return ('a', \"b\",\n") == (False, 0.5)  # literals before the error count
+    assert code_task.score("def f(:\n    return 1\n")[0] is False
 
 
 def test_stdlib_split_is_deterministic_and_disjoint() -> None:
-    files = acceptance_code.stdlib_files(40)
+    files = code_task.stdlib_files(40)
     assert files == sorted(files) and len(files) == 40
-    assert files == acceptance_code.stdlib_files(40)
-    assert not any(part in acceptance_code.SKIP for rel, _ in files for part in rel.split("/")[:-1])
-    parts = acceptance_code.split(files)
+    assert files == code_task.stdlib_files(40)
+    assert not any(part in code_task.SKIP for rel, _ in files for part in rel.split("/")[:-1])
+    parts = code_task.split(files)
     names = [{rel for rel, _ in v} for v in parts.values()]
     assert sum(map(len, names)) == 40 and not (names[0] & names[1]) and not (names[0] & names[2]) and not (names[1] & names[2])
 
@@ -157,7 +162,7 @@ def code_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def code_result(one_intra_op_thread: None, code_cache: Path) -> dict:
-    return acceptance.run_task(CODE, (0,), log=lambda line: None, cache=code_cache)
+    return run_task(CODE, (0,), log=lambda line: None, cache=code_cache)
 
 
 @needs_tokenizers
@@ -179,7 +184,7 @@ def test_code_task_runs_every_variant_at_both_temperatures_with_reward_and_kl(co
     # The drafts are scored at the rollout's temperature: the same pretrained draft, other numbers.
     first = {t: r["runs"][0]["variants"]["frozen"]["accept_1"][0] for t, r in code_result["temperatures"].items()}
     assert first["1.0"] != first["0.7"]
-    text = acceptance.acceptance_report.markdown(code_result)
+    text = report.markdown(code_result)
     assert "T = 0.7" in text and "| accept |" in text and "accept_len" in text
 
 
@@ -187,14 +192,14 @@ def test_code_task_runs_every_variant_at_both_temperatures_with_reward_and_kl(co
 def test_code_pretraining_is_cached_per_seed(one_intra_op_thread: None, code_result: dict, code_cache: Path) -> None:
     saved = sorted(code_cache.glob("pretrained-*.pt"))
     assert len(saved) == 1 and "seed0" in saved[0].name
-    acceptance_pretrain._PRETRAINED.clear()  # as a new process: read from disk, no training
-    task = acceptance_code.CodeTask.build(CODE, 0, code_cache)
-    state, record = acceptance_pretrain.pretrained(task, CODE, code_cache, log=lambda line: None)
+    pretrain._PRETRAINED.clear()  # as a new process: read from disk, no training
+    task = code_task.CodeTask.build(CODE, 0, code_cache)
+    state, record = pretrain.pretrained(task, CODE, code_cache, log=lambda line: None)
     assert record["cached"] is True
     fresh = torch.load(saved[0], weights_only=False)["state"]
     assert all(torch.equal(state[k], fresh[k]) for k in state if isinstance(state[k], torch.Tensor))
-    other = acceptance_pretrain._pretrain_key(task, dataclasses.replace(CODE, seed=1))
-    assert other != acceptance_pretrain._pretrain_key(task, CODE)
+    other = pretrain._pretrain_key(task, dataclasses.replace(CODE, seed=1))
+    assert other != pretrain._pretrain_key(task, CODE)
 
 
 @needs_tokenizers
@@ -204,12 +209,12 @@ def test_gpu_config_runs_one_step_on_cpu_at_tiny_sizes(one_intra_op_thread: None
              "sft_max_steps=1,sft_window=1,held_out_windows=2,files=40,rl_steps=1,prompts=1,group=2,eval_every=1,eval_rollouts=2")
     threads = torch.get_num_threads()
     try:
-        assert acceptance.main(["--task", "code", "--config", "gpu", "--set", sizes, "--seeds", "0", "--out", str(tmp_path), "--cache", str(code_cache)]) == 0
+        assert main(["--task", "code", "--config", "gpu", "--set", sizes, "--seeds", "0", "--out", str(tmp_path), "--cache", str(code_cache)]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads((tmp_path / "acceptance.json").read_text())
     run = result["temperatures"]["1.0"]["runs"][0]
-    gpu = acceptance.SETTINGS["code"]["gpu"]
+    gpu = SETTINGS["code"]["gpu"]
     assert run["setting"]["rl_steps"] == 1 and run["setting"]["hidden"] == 32
     assert run["setting"]["variants"] == list(gpu.variants) and run["setting"]["sft_lr"] == gpu.sft_lr  # the gpu schedule's other fields
     assert gpu.device == "cuda" and gpu.vocab > CODE.vocab and gpu.hidden > 128
@@ -218,15 +223,15 @@ def test_gpu_config_runs_one_step_on_cpu_at_tiny_sizes(one_intra_op_thread: None
 
 def test_set_rejects_unknown_fields() -> None:
     with pytest.raises(SystemExit):
-        acceptance.main(["--task", "code", "--set", "hiden=3"])
+        main(["--task", "code", "--set", "hiden=3"])
 
 
 @needs_tokenizers
 def test_seeds_run_apart_merge_into_the_record_of_one_run(one_intra_op_thread: None, code_result: dict, code_cache: Path) -> None:
     """``--merge``: seeds run as separate processes join into the runs and summary of a run over both."""
-    other = acceptance.run_task(CODE, (1,), log=lambda line: None, cache=code_cache)
-    both = acceptance.run_task(CODE, (0, 1), log=lambda line: None, cache=code_cache)
-    merged = acceptance.acceptance_report.merge_seeds([{**other, "wall_seconds": 2.0}, {**code_result, "wall_seconds": 1.0}])
+    other = run_task(CODE, (1,), log=lambda line: None, cache=code_cache)
+    both = run_task(CODE, (0, 1), log=lambda line: None, cache=code_cache)
+    merged = report.merge_seeds([{**other, "wall_seconds": 2.0}, {**code_result, "wall_seconds": 1.0}])
     assert merged["wall_seconds"] == 2.0
     for temperature, record in both["temperatures"].items():
         joined = merged["temperatures"][temperature]

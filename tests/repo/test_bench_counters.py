@@ -145,6 +145,21 @@ def test_check_fails_on_a_missed_exact_goal_or_a_skipped_variant_but_not_on_verl
     assert failed_checks(result) == ["V8-s4-N1: syncs missed", "variant hooks_dense skipped: refused"]
 
 
+def test_smoke_shapes_report_the_memory_goal_as_not_measured_not_missed() -> None:
+    from benchmarks.configs import CONFIGS
+    from benchmarks.report import MISSED, UNJUDGED, goals_at, memory_verdict
+
+    def counts(peak: int) -> dict:
+        return {"train": {"flops": 8, "peak_bytes": peak, "h2d": 0, "syncs": 0}, "infer": {"h2d": 0, "syncs": 0},
+                "train_cpu_s": [1.0], "train_s": [1.0]}
+
+    variants = {"stock": counts(100), "hooks_lean": counts(100)}  # lean's peak above the target: missed where judged
+    shape = CONFIGS["smoke"].base
+    assert memory_verdict(goals_at(shape, variants)) == MISSED
+    assert memory_verdict(goals_at(shape, variants, memory_goal=CONFIGS["smoke"].memory_goal)) == UNJUDGED
+    assert CONFIGS["cpu"].memory_goal and CONFIGS["gpu"].memory_goal
+
+
 def test_time_verdict_straddling_the_threshold_reads_inconclusive() -> None:
     from benchmarks.report import NOISE, time_ratio, time_verdict
 

@@ -87,7 +87,7 @@ def test_installed_wheel_builds_and_trains_both_model_families_without_the_check
     (wheel,) = wheels.glob("mtp_hooks-*.whl")
 
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mtp_hooks" / "testing").glob("*.py")}
+    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mtp_hooks" / "testing").rglob("*.py")}
     assert expected and expected <= shipped, sorted(expected - shipped)
     assert "mtp_hooks/py.typed" in shipped
 

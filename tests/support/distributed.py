@@ -3,7 +3,7 @@
 Test-only support. ``SpawnedGroup(world_size)`` starts ``world_size`` processes once; each one
 opens a gloo process group with ``RANK`` / ``WORLD_SIZE`` / ``MASTER_PORT`` in its environment
 and then waits for work. ``group.run(scenario, layout, **kwargs)`` makes every rank call
-``tests.support.mcore_cpu.init_parallel(**layout)`` (skipped when mcore's groups already have that
+``mtp_hooks.testing.init_parallel(**layout)`` (skipped when mcore's groups already have that
 layout) and ``scenario(**kwargs)`` inside ``cuda_current_device_is_cpu()``, and returns the
 per-rank results. A scenario that raises on
 any rank fails the caller with that rank's traceback; since the other ranks may then wait
@@ -94,7 +94,7 @@ def _release_model_parallel_groups() -> None:
 
 def _use_layout(layout: dict[str, Any]) -> None:
     """``init_parallel(**layout)``, unless mcore's groups already have that layout."""
-    from tests.support.mcore_cpu import init_parallel
+    from mtp_hooks.testing import init_parallel
 
     if {**_LAYOUT_DEFAULTS, **layout} == _current_layout():
         return
@@ -109,7 +109,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from tests.support.mcore_cpu import cuda_current_device_is_cpu, init_parallel
+    from mtp_hooks.testing import cuda_current_device_is_cpu, init_parallel
 
     with cuda_current_device_is_cpu():
         try:
@@ -151,11 +151,11 @@ class SpawnedGroup:
     def start(self) -> None:
         """Spawn the ranks; retried on a fresh port, since another process may take the free port
         between choosing it and binding it."""
-        from tests.support.mcore_cpu import _free_port
+        from mtp_hooks.testing import free_port
 
         context = multiprocessing.get_context("spawn")
         for attempt in range(_START_ATTEMPTS):
-            port = _free_port()
+            port = free_port()
             for rank in range(self.world_size):
                 parent, child = context.Pipe()
                 process = context.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)

@@ -1,29 +1,25 @@
-"""Real Megatron-Core GPT models with MTP layers, runnable on CPU: the test suite's helpers.
+"""Test-only helpers around real mcore models on CPU: what a megatron-core release lacks, packed sequences.
 
-The CPU shims, model builders and side-by-side steps are ``mtp_hooks.testing`` (public, documented
-there) and are re-exported here under the names the tests import. What stays here is test-only:
-``stock_main_only_step``, ``output_layer_calls`` (a profile-function recorder of the output
-layer's calls), ``rolled``, ``thd_params``, ``mtp_inner_layer`` and ``MTP_RECOMPUTE_BROKEN``.
+The models, CPU shims and the side-by-side harness are ``mtp_hooks.testing`` (public, documented
+there); tests import them from there. What stays here is test-only: the skip reasons of releases
+that lack a feature (``HYBRID_MTP_MISSING``, ``needs_packed_mtp``, ``MTP_RECOMPUTE_BROKEN``),
+``mtp_inner_layer``, ``rolled`` and ``thd_params``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
 from torch import Tensor
 
-from megatron.core.models.gpt import GPTModel
-
 from mtp_hooks import _mcore
+from mtp_hooks.testing import hybrid_mtp_missing
 
-from mtp_hooks.testing import *  # noqa: F401,F403 (the public helpers, under the names the tests import)
-from mtp_hooks.testing import Batch, hybrid_mtp_missing, masked_mean
-from mtp_hooks.testing import CudaToCpu as _CudaToCpu, free_port as _free_port, replace_module_class as _replace_module_class  # noqa: F401
+# tests/support/bridge_models.py and megatron_bridge_models.py still import these two from here.
+from mtp_hooks.testing import SDPAttention, replace_module_class as _replace_module_class  # noqa: F401
 
 HYBRID_MTP_MISSING: Optional[str] = hybrid_mtp_missing()
 
@@ -56,45 +52,6 @@ def mtp_inner_layer(layer: torch.nn.Module) -> torch.nn.Module:
     """The transformer layer inside an MTP layer: ``transformer_layer`` up to 0.16, ``mtp_model_layer`` from 0.17."""
     inner = getattr(layer, "mtp_model_layer", None)
     return inner if inner is not None else layer.transformer_layer
-
-
-def stock_main_only_step(model: GPTModel, batch: Batch) -> Tensor:
-    """Stock mcore with the MTP loss weighted 0 (and all-ones MTP mask, so no 0/0): main-head gradients only."""
-    factor = model.config.mtp_loss_scaling_factor
-    model.config.mtp_loss_scaling_factor = 0.0
-    try:
-        per_token = model(*batch.model_args, labels=batch.labels)
-    finally:
-        model.config.mtp_loss_scaling_factor = factor
-    loss = masked_mean(per_token, batch.loss_mask)
-    loss.backward()
-    return loss.detach()
-
-
-@contextlib.contextmanager
-def output_layer_calls(model: GPTModel) -> Iterator[list[Tensor]]:
-    """Record every ``output_layer`` output (detached ``[s, b, V]`` logits) while the context is open.
-
-    In a stock training forward the calls are depth 1 .. N of MTP, then the main head.
-    Recorded by a profile function, not a module hook: a hook on the output layer would itself
-    change what the hooks do (they send an output layer carrying foreign hooks down the dense path).
-    """
-    calls: list[Tensor] = []
-    layer = model.output_layer
-    forward_code = type(layer).forward.__code__
-    previous = sys.getprofile()
-
-    def profile(frame: Any, event: str, value: Any) -> None:
-        if event == "return" and frame.f_code is forward_code and frame.f_locals.get("self") is layer and value is not None:
-            calls.append(value[0].detach().clone())
-        if previous is not None:  # an enclosing recorder (of another model) keeps recording
-            previous(frame, event, value)
-
-    sys.setprofile(profile)
-    try:
-        yield calls
-    finally:
-        sys.setprofile(previous)
 
 
 def rolled(tensor: Tensor, k: int) -> Tensor:

@@ -2,10 +2,10 @@
 
 ``TinyDeepSeek``, ``TinyHybridMoE``, ``moe_mla_on_cpu`` and the core attention (``SDPAttention``,
 formerly ``MLACoreAttention`` here: its output follows MLA's value head dimension) are
-``mtp_hooks.testing`` and are re-exported here under the names the tests import. What stays here
-is test-only: mcore's MoE auxiliary-loss tracker across releases (``moe_tracker``,
-``moe_tracker_values``, ``reduce_moe_tracker``, ``reset_moe_process_state``) and module finders
-(``routers``, ``mtp_moe_layers``, ``forward_calls``).
+``mtp_hooks.testing``; tests import them from there. What stays here is test-only: the skip
+reasons (``DEEPSEEK_MISSING``, ``HYBRID_MOE_MISSING``), mcore's MoE auxiliary-loss tracker
+across releases (``moe_tracker``, ``moe_tracker_values``, ``reduce_moe_tracker``,
+``reset_moe_process_state``) and module finders (``routers``, ``mtp_moe_layers``, ``forward_calls``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from mtp_hooks.testing.attention import SDPAttention as MLACoreAttention  # noqa: F401
-from mtp_hooks.testing.deepseek import TinyDeepSeek, deepseek_missing, moe_mla_on_cpu  # noqa: F401
-from mtp_hooks.testing.hybrid import TinyHybridMoE, hybrid_moe_missing  # noqa: F401
+from mtp_hooks.testing import deepseek_missing, hybrid_moe_missing, moe_mla_on_cpu
+
+# tests/support/bridge_models.py and megatron_bridge_models.py still import it from here under this name.
+from mtp_hooks.testing import SDPAttention as MLACoreAttention  # noqa: F401
 
 DEEPSEEK_MISSING: Optional[str] = deepseek_missing()
 HYBRID_MOE_MISSING: Optional[str] = hybrid_moe_missing()

@@ -1,7 +1,7 @@
 """Megatron's own training loop on CPU, for tests: Float16Module (bf16), mcore DDP, mcore's optimizer,
 ``get_forward_backward_func`` and ``dist_checkpointing``.
 
-Test-only support. Besides the shims of ``tests.support.mcore_cpu`` (``cuda_current_device_is_cpu`` is open
+Test-only support. Besides the shims of ``mtp_hooks.testing`` (``cuda_current_device_is_cpu`` is open
 for the whole session, ``cuda_calls_on_cpu`` around the schedule), three CPU accommodations live here,
 each applied only inside a context manager and undone on exit:
 
@@ -35,15 +35,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 import mtp_hooks
-from tests.support.mcore_cpu import Batch, TinyGPT, _CudaToCpu, cuda_calls_on_cpu, make_batch
+from mtp_hooks.testing import Batch, CudaToCpu, TinyGPT, cuda_calls_on_cpu, make_batch
 
 VOCAB = 64
 SEQ = 16
 MICRO_BATCH = 2
 
 
-class _CudaTensorTypes(_CudaToCpu):
-    """``_CudaToCpu`` plus ``Tensor.type()`` answering ``torch.cuda.<Dtype>Tensor`` for CPU tensors."""
+class _CudaTensorTypes(CudaToCpu):
+    """``CudaToCpu`` plus ``Tensor.type()`` answering ``torch.cuda.<Dtype>Tensor`` for CPU tensors."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         if func is Tensor.type and len(args) == 1 and not kwargs:

@@ -1,14 +1,17 @@
 """The parity matrix: one case is a point in the product of the knobs, run against a stock twin.
 
-Test-only support for ``tests/parity/test_parity_matrix.py``. A ``Case`` names one value per knob (output
-mode, loss path, tied head, gradient-accumulation fusion under mcore's DDP, dtype, detach flags,
-per-token loss, checkpoint recompute, micro-batches in flight, the draft chain, the acceptance rule
-measured (``parity_acceptance``), parallel layout). ``run_case``
-builds the twins with the same weights, runs the same micro-batches through both and compares:
+Test-only support for ``tests/parity/test_parity_matrix.py``, on the pieces of the side-by-side
+harness ``mtp_hooks.testing.twins`` (batches, the output-layer recorder, mcore's tracker, the hooks'
+per-depth losses). What is the matrix's own: a ``Case`` names one value per knob (output mode, loss
+path, tied head, gradient-accumulation fusion under mcore's DDP, dtype, detach flags, per-token
+loss, checkpoint recompute, micro-batches in flight, the draft chain, the acceptance rule measured
+(``parity_acceptance``), parallel layout). ``run_case`` builds the twins with the same weights
+(rounded to the case's dtype, wrapped as the case says), runs the same micro-batches through both in
+the schedule's order and compares:
 
-* stock is called with ``labels`` and returns its per-token loss; its main logits are read with
-  a forward hook on its output layer (the last call of a training forward is the main head), with
-  their graph, so a user loss on them backpropagates through stock;
+* stock is called with ``labels`` and returns its per-token loss; its main logits are recorded
+  (``output_layer_calls``: the last call of a training forward is the main head) with their
+  graph, so a user loss on them backpropagates through stock;
 * the user loss: ``output="logits"``: the masked CE (stock: its own per-token loss; hooked: mcore's
   vocab-parallel CE of the returned logits); ``output="logprobs"``: a policy-gradient loss with an
   entropy bonus, from the hooked ``TokenLogProbs`` and, for stock, from ``log_softmax`` of its
@@ -43,17 +46,10 @@ import mtp_hooks
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
 from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, gather_vocab, stock_chain, stock_detaches
 from tests.support.parity_acceptance import ACCEPT, FORBIDDEN, accept_options, accept_reference, hooked_acceptance, stock_acceptance
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    context_parallel_positions,
-    fused_wgrad_kernel_on_cpu,
-    make_batch,
-    stock_mtp_losses,
-    tracked_mtp_losses,
-)
 
 VOCAB = 64
 SEED = 1234
@@ -72,7 +68,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "per_token": (False, True),
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
-    "chain": ("none", "k2_argmax", "k3", "k4_argmax"),
+    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax"),
     "accept": tuple(ACCEPT),
 }
 # FORBIDDEN (``parity_acceptance``): the value pairs no case can have, left out of the covering sets.
@@ -127,9 +123,9 @@ class Case:
             options.update(output="logprobs", entropy="entropy" in self.output)
             if self.output.endswith("_t0.7"):
                 options["temperature"] = TEMPERATURE
-        steps, inputs = CHAIN[self.chain]
+        steps, inputs, draft_layers = CHAIN[self.chain]
         if self.chain != "none":
-            options.update(draft_steps=steps, draft_inputs=inputs)
+            options.update(draft_steps=steps, draft_inputs=inputs, draft_layers=draft_layers)
         options.update(accept_options(self.accept))
         return options
 
@@ -158,8 +154,14 @@ class Case:
             parts.append(f"stock has no {', '.join(flags)}: its twin gets the definition by pre-hooks ({'; '.join(what)})")
         if self.output != "logits":
             parts.append(f"log-probs: log_softmax(stock logits / {self.temperature}) at the labels" + (" and their entropy" if "entropy" in self.output else ""))
-        steps, inputs = CHAIN[self.chain]
-        if self.chain != "none":
+        steps, inputs, draft_layers = CHAIN[self.chain]
+        if self.chain != "none" and draft_layers == "first":
+            parts.append(
+                f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps}), the block's "
+                f"layer-2 output dropped, the first layer called {steps - 1} more times on the block's arguments for it"
+                + (", every later step embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
+            )
+        elif self.chain != "none":
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps})"
                 + (f", the last layer called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")
@@ -422,13 +424,9 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
         for batch, advantages in batches:
 
             def forward(*model_args: Any, batch: Batch = batch) -> tuple[Tensor, Tensor, Tensor]:
-                outputs: list[Tensor] = []
-                # A clone, graph kept: mcore's CE then shifts the layer's own output in place.
-                handle = twin.inner.output_layer.register_forward_hook(lambda module, args, out: outputs.append(out[0].clone()))
-                try:
+                # Clones, graph kept: mcore's CE then shifts the layer's own output in place.
+                with output_layer_calls(twin.inner, keep_graph=True) as outputs:
                     per_token = twin.called(*model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-                finally:
-                    handle.remove()
                 return per_token, outputs[-1].transpose(0, 1), torch.stack([out.detach() for out in outputs[:-1]])
 
             stock_mtp_losses()
@@ -463,7 +461,7 @@ def run_hooked(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad
         tracked = tracked_mtp_losses()
         run.mtp.append([] if tracked is None else tracked.tolist())
         metrics = hooks.metrics()
-        run.metrics.append([metrics.get(f"mtp_{k}/loss", float("nan")) for k in range(1, depth + 1)])
+        run.metrics.append(hooked_mtp_losses(metrics, depth))
         if case.accept != "off":
             run.acceptance.append(hooked_acceptance(metrics))
         assert batch.loss_mask is not None

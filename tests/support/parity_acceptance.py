@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from mtp_hooks.testing import context_parallel_positions
 from tests.support.draft_references import acceptance
 from tests.support.stock_references import gather_vocab
 
@@ -54,8 +55,6 @@ def _whole_sequence(tensor: Tensor, dim: int) -> tuple[Tensor, Optional[Tensor]]
     """``tensor`` with its sequence dimension ``dim`` gathered over the CP group in sequence order, and
     this rank's positions in it (``None`` without CP)."""
     from megatron.core import parallel_state
-
-    from tests.support.mcore_cpu import context_parallel_positions
 
     size = parallel_state.get_context_parallel_world_size()
     if size == 1:

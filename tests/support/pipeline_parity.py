@@ -1,6 +1,8 @@
 """Stock and hooked model chunks through mcore's own pipeline schedule, on every rank of a group.
 
-Test-only support for ``tests/distributed/test_parity_pipeline.py``. ``run_stock(knobs, ...)`` and
+Test-only support for ``tests/distributed/test_parity_pipeline.py``: the schedule plumbing around the
+pieces of the side-by-side harness ``mtp_hooks.testing.twins`` (batches, the output-layer recorder,
+mcore's tracker, the hooks' per-depth losses). ``run_stock(knobs, ...)`` and
 ``run_hooked(case, ...)`` build this rank's model chunks (one per virtual stage, same seed), wrap
 each in mcore's ``DistributedDataParallel`` (fp32 ``main_grad``), run two steps of four training
 micro-batches through ``get_forward_backward_func()`` with Megatron's ``finalize_model_grads`` as
@@ -26,16 +28,8 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import (
-    Batch,
-    TinyGPT,
-    context_parallel_positions,
-    cuda_calls_on_cpu,
-    fused_wgrad_kernel_on_cpu,
-    make_batch,
-    output_layer_calls,
-    tracked_mtp_losses,
-)
+from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, cuda_calls_on_cpu, fused_wgrad_kernel_on_cpu, make_batch
+from mtp_hooks.testing import hooked_mtp_losses, output_layer_calls, tracked_mtp_losses
 from tests.support.megatron_loop import cuda_stream_on_cpu
 from tests.support.pipeline_cases import Case, Knobs
 
@@ -249,7 +243,7 @@ def run_hooked(case: Case, batches: list[Batch]) -> Run:
                 outputs.append(output.detach().clone())
                 per_token = gpt.compute_language_model_loss(batch.labels, output.transpose(0, 1).contiguous())
             metrics = mtp_hooks.hooks_of(chunk).metrics()
-            mtp.append([metrics.get(f"mtp_{k}/loss", float("nan")) for k in range(1, gpt.config.mtp_num_layers + 1)])
+            mtp.append(hooked_mtp_losses(metrics, gpt.config.mtp_num_layers))
             return per_token, partial(_masked_sum, batch.loss_mask)
 
         try:

@@ -44,7 +44,7 @@ def hooked_with_reference(shape: Any, without_mtp: Callable[[Any, Any], Any], vo
     """``(model, hooks, reference, batch)``: ``shape`` built with ``seed`` and hooked, ``without_mtp(model,
     shape)`` (the same weights without MTP layers) and a batch, for the inference-FLOPs pins."""
     import mtp_hooks
-    from tests.support.mcore_cpu import make_batch
+    from mtp_hooks.testing import make_batch
 
     model = shape.build(seed=seed)
     hooks = mtp_hooks.attach(model)

@@ -3,18 +3,13 @@
 What an engine's MTP speculative decoding does, without a KV cache (full recompute per forward,
 tiny models): the first response token comes from the target alone (prefill); then every
 verification step drafts ``draft_tokens`` tokens with MTP depths 1, 2, ... (depth k reads depth
-k - 1's draft) and verifies them in order under the engine's rule (``mtp_hooks.ops.draft_rule``):
-
-* ``"sampled"``: draft ``x ~ q``, accepted with probability ``min(1, p(x) / q(x))``, a rejected one
-  replaced by a draw from ``max(p - q, 0)``;
-* ``"argmax"`` (vLLM's and SGLang's default): draft ``x = argmax q``, accepted with probability
-  ``p(x)``, a rejected one replaced by a draw from ``max(p - onehot(x), 0)`` (p without x);
-* ``"match"``: draft ``x ~ q``, the target draws ``y ~ p``; accepted iff ``x = y``, else ``y`` is emitted.
-
-All accepted, the target's own next token is added. Each rule emits exactly the target's
-distribution; at T = 0 (``p``, ``q`` one-hot at the first argmax) all three are greedy decoding. Per request it counts what vLLM's ``request_spec_decode_stats`` holds (drafted tokens,
+k - 1's draft: its argmax under the ``"argmax"`` rule, else a sample) and verifies them in
+``mtp_hooks.testing.speculative``'s loop under the engine's rule (``"sampled"``, ``"argmax"``, vLLM's
+and SGLang's default, or ``"match"``; ``mtp_hooks.ops.draft_rule``). Each rule emits exactly the
+target's distribution; at T = 0 (``p``, ``q`` one-hot at the first argmax) all three are greedy
+decoding. Per request it counts what vLLM's ``request_spec_decode_stats`` holds (drafted tokens,
 accepted draft tokens, verification steps), the inputs of verl's ``compute_spec_decode_metrics``.
-Draft and target are read with forward hooks on a stock model (no ``mtp_hooks``): an engine holds
+Draft and target are read with forward hooks on a stock model (nothing attached): an engine holds
 its own copy of the weights.
 """
 
@@ -27,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.support.mcore_cpu import cuda_current_device_is_cpu
+from mtp_hooks.testing import cuda_current_device_is_cpu
+from mtp_hooks.testing.speculative import Proposal, Rule, speculative_sampling
 
 
 @dataclasses.dataclass
@@ -79,66 +75,35 @@ def head_probs(model: nn.Module, tokens: Tensor, temperature: float) -> list[Ten
         heads.remove()
 
 
-def _residual(p: Tensor, q: Tensor) -> Tensor:
-    residual = (p - q).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    return torch.where(total > 0, residual / total.clamp(min=1e-300), p)
-
-
 def speculative_rollouts(
-    model: nn.Module, prompts: Tensor, new_tokens: int, draft_tokens: int, temperature: float, gen: torch.Generator, rule: str = "sampled"
+    model: nn.Module, prompts: Tensor, new_tokens: int, draft_tokens: int, temperature: float, gen: torch.Generator, rule: Rule = "sampled"
 ) -> tuple[Tensor, EngineStats]:
     """Generate at least ``new_tokens`` response tokens per prompt under the verification ``rule``; the
     sequences ``[b, P + new_tokens]`` (a step's tokens past that are dropped, its counts kept) and the
     engine's counters."""
     rows, prompt = prompts.shape
     end = prompt + new_tokens
-    buffer = torch.zeros(rows, end + draft_tokens + 1, dtype=torch.long)
-    buffer[:, :prompt] = prompts
-    first = head_probs(model, buffer[:, :prompt], temperature)[0][:, -1]
-    buffer[:, prompt] = torch.multinomial(first.float(), 1, generator=gen).squeeze(-1)
-    n = torch.full((rows,), prompt + 1)  # tokens so far; the last one came from the target
-    stats = EngineStats([0] * rows, [0] * rows, [0] * rows, [[] for _ in range(rows)])
+    first = head_probs(model, prompts, temperature)[0][:, -1]
+    started = torch.cat([prompts, torch.multinomial(first.float(), 1, generator=gen)], dim=1)  # prefill: the target alone
     idx = torch.arange(rows)
-    while bool((n < end).any()):
-        live = n < end
-        pos = torch.where(live, n, prompt + 1)  # finished rows: any in-range position, results unused
-        at = pos - 2  # depth k at position n - 2 drafts token n - 1 + k
-        work = buffer.clone()
-        drafts, q = [], []
+    starts: list[Tensor] = []  # per verification step, where each row's first draft goes
+
+    def draft(tokens: Tensor, at: Tensor, step: int) -> Proposal:
+        work, drafts, q = tokens.clone(), [], []
         for k in range(1, draft_tokens + 1):
-            q_k = head_probs(model, work, temperature)[k][idx, at]
-            if rule == "argmax":  # the draft's argmax; verified as a one-hot proposal
-                x = q_k.argmax(-1)
-                q_k = F.one_hot(x, q_k.shape[-1]).to(q_k.dtype)
-            else:
-                x = torch.multinomial(q_k.float(), 1, generator=gen).squeeze(-1)
-            work[idx, pos - 1 + k] = x
+            q_k = head_probs(model, work, temperature)[k][idx, at - 2]  # depth k at position at - 2 drafts token at - 1 + k
+            x = q_k.argmax(-1) if rule == "argmax" else torch.multinomial(q_k.float(), 1, generator=gen).squeeze(-1)
+            work[idx, at - 1 + k] = x
             drafts.append(x)
             q.append(q_k)
         main = head_probs(model, work, temperature)[0]
-        u = torch.rand(rows, draft_tokens, generator=gen, dtype=torch.float64)
-        for r in idx[live].tolist():
-            start, emitted = int(n[r]), []
-            for j in range(draft_tokens):
-                p_j, q_j, x = main[r, start - 1 + j], q[j][r], int(drafts[j][r])
-                if rule == "match":  # the target's own draw decides: the draft must equal it
-                    y = int(torch.multinomial(p_j.float(), 1, generator=gen))
-                    emitted.append(y)
-                    if y == x:
-                        continue
-                    break
-                if u[r, j] < min(1.0, float(p_j[x] / q_j[x])):
-                    emitted.append(x)
-                    continue
-                emitted.append(int(torch.multinomial(_residual(p_j, q_j).float(), 1, generator=gen)))
-                break
-            else:
-                emitted.append(int(torch.multinomial(main[r, start - 1 + draft_tokens].float(), 1, generator=gen)))
-            stats.drafts[r] += draft_tokens
-            stats.accepted[r] += len(emitted) - 1
-            stats.verify_steps[r] += 1
-            stats.starts[r].append(start)
-            buffer[r, start : start + len(emitted)] = torch.tensor(emitted)
-            n[r] = start + len(emitted)
-    return buffer[:, :end], stats
+        p = torch.stack([main[idx, at - 1 + j] for j in range(draft_tokens + 1)], dim=1)
+        starts.append(at)
+        return Proposal(torch.stack(drafts, dim=1), torch.stack(q, dim=1), p)
+
+    # A row steps while it holds fewer than ``end`` tokens: room for the drafts within end - 1 + draft_tokens.
+    tokens, stats = speculative_sampling(draft, started, end - 1 + draft_tokens, draft_tokens, gen, rule)
+    steps, accepted = stats.row_steps.tolist(), stats.row_accepted.tolist()
+    # A row steps from the first step on until it is full: its starts are those of its first steps.
+    row_starts = [[int(at[r]) for at in starts[:n]] for r, n in enumerate(steps)]
+    return tokens[:, :end], EngineStats([draft_tokens * s for s in steps], accepted, steps, row_starts)

@@ -22,12 +22,14 @@ DETACH_OPTIONS = {
     "between": {"detach_encoder": True, "detach_between_depths": True},
 }
 
-# The draft chain (``mtp_hooks.features.chain``) on the N = 2 twins: (draft_steps, draft_inputs).
-CHAIN: dict[str, tuple[Optional[int], str]] = {
-    "none": (None, "labels"),
-    "k2_argmax": (2, "argmax"),
-    "k3": (3, "labels"),
-    "k4_argmax": (4, "argmax"),
+# The draft chain (``mtp_hooks.features.chain``) on the N = 2 twins: (draft_steps, draft_inputs, draft_layers).
+CHAIN: dict[str, tuple[Optional[int], str, str]] = {
+    "none": (None, "labels", "per_step"),
+    "k2_argmax": (2, "argmax", "per_step"),
+    "k3": (3, "labels", "per_step"),
+    "k4_argmax": (4, "argmax", "per_step"),
+    "first_k2": (2, "labels", "first"),
+    "first_k3_argmax": (3, "argmax", "first"),
 }
 DEPTH = 2
 
@@ -43,21 +45,24 @@ def gather_vocab(logits: Tensor) -> Tensor:
 @contextlib.contextmanager
 def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
     """The detach flags' definition on stock mcore, with plain autograd (stock has no such options):
-    every MTP layer's embedding output detached, the depth-0 hidden states detached (with
-    ``between`` every depth's input), and with ``detach_head`` the MTP heads' output weight detached
+    every MTP layer's embedding output detached, the first MTP layer call's hidden states (the
+    trunk's) detached (with ``between`` every call's input), and with ``detach_head`` the MTP heads' output weight detached
     (the first N output-layer calls of a forward; the last is the main head)."""
     flags = DETACH_OPTIONS[detach]
     handles = []
     if flags.get("detach_encoder"):
-        for index, layer in enumerate(model.mtp.layers):
+        layer_calls = [0]
+        handles.append(model.register_forward_pre_hook(lambda *_: layer_calls.__setitem__(0, 0)))
 
-            def detach_inputs(layer: nn.Module, args: Any, kwargs: dict[str, Any], index: int = index) -> Any:
-                embedding = kwargs["embedding"]
-                kwargs["embedding"] = lambda **call: embedding(**call).detach()
-                if index == 0 or flags.get("detach_between_depths"):
-                    kwargs["hidden_states"] = kwargs["hidden_states"].detach()
-                return args, kwargs
+        def detach_inputs(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            embedding = kwargs["embedding"]
+            kwargs["embedding"] = lambda **call: embedding(**call).detach()
+            if layer_calls[0] == 0 or flags.get("detach_between_depths"):  # the trunk's hidden states: the first call's
+                kwargs["hidden_states"] = kwargs["hidden_states"].detach()
+            layer_calls[0] += 1
+            return args, kwargs
 
+        for layer in model.mtp.layers:
             handles.append(layer.register_forward_pre_hook(detach_inputs, with_kwargs=True))
     if flags.get("detach_head"):
         calls = [0]
@@ -83,21 +88,26 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
     """The draft chain's definition on stock mcore (which trains N depths, teacher-forced): stock's
     own loss over k depths (``config.mtp_num_layers = k`` from the block's return to the end of the
-    forward; the block runs its N layers), the last layer called again ``k - N`` times when the block returns, each call on the
-    previous call's hidden state, ids and positions with the block's arguments; with ``argmax``
-    every layer call after the first embeds the first argmax of the full-vocabulary logits
-    (gathered, dense) of the hidden state it receives."""
-    steps, inputs = CHAIN[chain]
+    forward; the block runs its N layers). The step layer (the last one; with ``first``, the first
+    one, whose block call is then the only step the block's output keeps) is called again when the
+    block returns, each call on the previous call's hidden state, ids and positions with the block's
+    arguments for it; with ``argmax`` every step after the first embeds the first argmax of the
+    full-vocabulary logits (gathered, dense) of the hidden state it receives."""
+    steps, inputs, draft_layers = CHAIN[chain]
     if chain == "none":
         yield
         return
     assert steps is not None
     config, layers, handles = model.config, list(model.mtp.layers), []
+    first = draft_layers == "first"
+    step_layer, kept = (layers[0], 1) if first else (layers[-1], DEPTH)
     calls = [0]
     captured: dict[str, Any] = {}
     handles.append(model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, 0)))
 
     def feed(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if first and layer is not step_layer:
+            return args, kwargs  # its output is dropped: not a step
         calls[0] += 1
         if inputs == "argmax" and calls[0] > 1:
             drafts = _dense_drafts(model, kwargs["hidden_states"])
@@ -107,21 +117,22 @@ def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
 
     for layer in layers:
         handles.append(layer.register_forward_pre_hook(feed, with_kwargs=True, prepend=True))
-    handles.append(layers[-1].register_forward_pre_hook(lambda layer, args, kwargs: captured.__setitem__("kwargs", dict(kwargs)), with_kwargs=True, prepend=True))
-    handles.append(layers[-1].register_forward_hook(lambda layer, args, output: captured.__setitem__("output", output)))
+    handles.append(step_layer.register_forward_pre_hook(lambda layer, args, kwargs: captured.__setitem__("kwargs", dict(kwargs)), with_kwargs=True, prepend=True))
+    handles.append(step_layer.register_forward_hook(lambda layer, args, output: captured.__setitem__("output", output)))
 
     def extend(block: nn.Module, args: Any, output: Tensor) -> Tensor:
         kwargs, out, extra = captured["kwargs"], captured["output"], []
-        for _ in range(steps - DEPTH):
-            out = layers[-1](**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
+        for _ in range(steps - kept):
+            out = step_layer(**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
             extra.append(out[0])
         config.mtp_num_layers = steps  # the post-processing's loss over k depths (0.19's block runs mtp_num_layers layers)
-        return torch.cat([output, *extra])
+        kept_chunks = list(torch.chunk(output, 1 + DEPTH))[: 1 + kept]
+        return torch.cat([*kept_chunks, *extra])
 
     def layers_only(*_: Any) -> None:
         config.mtp_num_layers = DEPTH
 
-    if steps > DEPTH:
+    if steps != DEPTH or first:
         handles.append(model.mtp.register_forward_pre_hook(layers_only))
         handles.append(model.mtp.register_forward_hook(extend))
         handles.append(model.register_forward_hook(layers_only, always_call=True))

@@ -3,7 +3,7 @@ a refused input or a forward that raises leaves no state behind: the next calls 
 
 "Clean" is checked against a stock twin: an inference call returns stock's main logits without
 running the MTP block, and a training call gives stock's logits, MTP losses and every gradient
-(``tests.support.twins.assert_next_micro_batches_like_stock``).
+(``tests.support.micro_batches.assert_next_micro_batches_like_stock``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import mtp_hooks
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.support.mcore_cpu import Batch, TinyGPT, make_batch
-from tests.support.twins import ModuleHolder, Twins, assert_next_micro_batches_like_stock, hooked_step, mtp_block_calls, stock_step
+from mtp_hooks.testing import Batch, TinyGPT, build_twins, hooked_train_step, make_batch, stock_train_step
+from tests.support.micro_batches import ModuleHolder, assert_next_micro_batches_like_stock, mtp_block_calls
 
 VOCAB = 64
 SEQ = 8
@@ -99,7 +99,7 @@ def test_attach_rejects_bad_options_and_touches_nothing(model: nn.Module, case: 
 @pytest.mark.parametrize("option, value", [("loss_scale", 0), ("loss_scale", 2), ("chunk_size", 1), ("chunk_size", 10**9)])
 def test_attach_accepts_boundary_options(model: nn.Module, batch: Batch, option: str, value: Any) -> None:
     hooks = mtp_hooks.attach(model, **{option: value})
-    hooked_step(model, hooks, batch)
+    hooked_train_step(model, hooks, batch)
 
 
 def test_attach_rejects_a_model_without_mtp_layers() -> None:
@@ -286,7 +286,7 @@ def test_a_forward_that_raises_leaves_no_stale_state(model: nn.Module, batch: Ba
 @pytest.mark.parametrize("detach_head", [False, True])
 def test_a_forward_that_raises_with_detach_options_restores_everything(batch: Batch, detach_head: bool) -> None:
     """After the fault and ``remove()``, the model trains bit for bit like a never-hooked twin."""
-    twins = Twins(SHAPE, SEED, detach_encoder=True, detach_head=detach_head)
+    twins = build_twins(SHAPE, SEED, detach_encoder=True, detach_head=detach_head)
     model, hooks = twins.hooked, twins.hooks
     assert hooks is not None
     config = model.config
@@ -298,7 +298,7 @@ def test_a_forward_that_raises_with_detach_options_restores_everything(batch: Ba
     assert_stock_state(model, config)
     hooks.remove()
     twins.stock_step(batch)
-    stock_step(model, batch)
+    stock_train_step(model, batch)
     twins.assert_same_grads(atol=0, rtol=0)
 
 

@@ -15,14 +15,7 @@ import torch
 from torch import nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import (
-    TinyGPT,
-    assert_same_grads,
-    hooked_train_step,
-    make_batch,
-    stock_mtp_losses,
-    stock_train_step,
-)
+from mtp_hooks.testing import TinyGPT, assert_same_grads, hooked_train_step, make_batch, stock_mtp_losses, stock_train_step
 
 VOCAB = 64
 

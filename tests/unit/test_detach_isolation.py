@@ -24,8 +24,7 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from tests.support.mcore_cpu import TinyGPT, grads_of, main_ce_from_logits, make_batch, masked_mean, stock_main_only_step
-from tests.support.twins import hooked_step
+from mtp_hooks.testing import TinyGPT, grads_of, hooked_train_step, main_ce_from_logits, make_batch, masked_mean, stock_main_only_step
 
 VOCAB = 64
 ON, OFF, NEITHER = "mtp_on", "mtp_off", "neither"
@@ -71,7 +70,7 @@ def close(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
 def hooked_grads(model: nn.Module, **options: bool) -> dict[str, Optional[Tensor]]:
     batch = make_batch(VOCAB, seq=12, seed=21)
     with mtp_hooks.attached(model, **options) as hooks:
-        hooked_step(model, hooks, batch)
+        hooked_train_step(model, hooks, batch)
         assert hooks.metrics()["mtp_1/tokens"] > 0
     return grads_of(model)
 

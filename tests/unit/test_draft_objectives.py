@@ -32,10 +32,11 @@ import mtp_hooks
 from megatron.core.packed_seq_params import PackedSeqParams
 from mtp_hooks.ops.draft_rule import OBJECTIVES, DraftRule
 from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean, output_layer_calls
+from mtp_hooks.testing import stock_main_only_step
 from tests.support.draft_references import acceptance, per_token_objective
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, grads_of, main_ce_from_logits, make_batch, masked_mean
-from tests.support.mcore_cpu import needs_packed_mtp, output_layer_calls, stock_main_only_step, thd_params
+from tests.support.mcore_cpu import needs_packed_mtp, thd_params
 from tests.unit.test_targets import Slot
 
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T
@@ -120,6 +121,21 @@ def assert_close(actual: Optional[Tensor], expected: Optional[Tensor], what: str
         torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def assert_same_head_loss(
+    out: Any, ref: Dense, leaves: tuple[Tensor, Tensor], ref_leaves: tuple[Tensor, Tensor], tol: dict[str, float]
+) -> None:
+    """A lean ``HeadLoss`` ``out`` equals the dense reference ``ref``: objective, per-token CE,
+    acceptance, correct and agreement flags, and the gradients of the ``(hidden, weight)`` leaves."""
+    assert out.agree is not None and out.accept is not None
+    assert_close(out.objective.detach(), ref.objective.detach(), "objective", **tol)
+    assert_close(out.ce, ref.ce, "per-token CE", **tol)
+    assert_close(out.accept, ref.accept, "expected acceptance", **tol)
+    assert torch.equal(out.correct, ref.correct), "correct flags"
+    assert torch.equal(out.agree, ref.agree), "argmax agreement"
+    for what, leaf, ref_leaf in zip(("hidden grad", "weight grad"), leaves, ref_leaves):
+        assert_close(leaf.grad, ref_leaf.grad, what, **tol)
+
+
 # float32 inputs are compared with the float64 reference at fp32 accuracy, float64 inputs tightly.
 TOLERANCES = {torch.float32: dict(atol=1e-6, rtol=1e-4), torch.float64: dict(atol=1e-12, rtol=1e-10)}
 
@@ -138,21 +154,9 @@ def test_lean_objective_matches_dense_float64_reference(objective: str, chunk_si
     ref = dense_reference(ref_hidden, ref_weight, case.teacher, case.labels, case.token_weight, objective)
     (ref.objective * 0.37).backward()
 
-    assert_matches_reference(out, hidden, weight, ref, ref_hidden, ref_weight, tol)
-    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
-
-
-def assert_matches_reference(out: Any, hidden: Tensor, weight: Tensor, ref: Dense, ref_hidden: Tensor, ref_weight: Tensor, tol: dict[str, float]) -> None:
-    """A ``lean_mtp_loss`` output with a teacher and its leaves' gradients against the dense reference's."""
-    assert out.agree is not None and out.accept is not None
+    assert_same_head_loss(out, ref, (hidden, weight), (ref_hidden, ref_weight), tol)
     assert out.agree.any() and not out.agree.all(), "the case should mix agreeing and disagreeing tokens"
-    assert_close(out.objective.detach(), ref.objective.detach(), "objective", **tol)
-    assert_close(out.ce, ref.ce, "per-token CE (untempered)", **tol)
-    assert_close(out.accept, ref.accept, "expected acceptance", **tol)
-    assert torch.equal(out.correct, ref.correct), "correct flags"
-    assert torch.equal(out.agree, ref.agree), "argmax agreement"
-    assert_close(hidden.grad, ref_hidden.grad, "hidden grad", **tol)
-    assert_close(weight.grad, ref_weight.grad, "weight grad", **tol)
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
 
 
 def test_sampled_acceptance_is_one_minus_total_variation() -> None:

@@ -29,7 +29,7 @@ from mtp_hooks.ops.draft_rule import OBJECTIVES, DraftRule
 from mtp_hooks.ops.lean_loss import HeadLoss, KernelSpec, lean_mtp_loss
 from mtp_hooks.ops.weight_grad import WEIGHT_GRAD_MODES, choose_weight_grad
 from tests.support.distributed import SpawnedGroup
-from tests.unit.test_draft_objectives import TOLERANCES, Case, Dense, assert_close, dense_reference, make_case
+from tests.unit.test_draft_objectives import TOLERANCES, Case, Dense, assert_close, assert_same_head_loss, dense_reference, make_case
 
 TOKENS, HIDDEN, VOCAB = 10, 6, 13
 SCALE = 0.37  # a non-unit upstream gradient: both paths prepare their gradients in forward
@@ -63,14 +63,7 @@ def reference(case: Case, objective: str) -> tuple[Dense, Tensor, Tensor]:
 
 def assert_matches_reference(out: HeadLoss, hidden: Tensor, weight: Tensor, case: Case, objective: str, tol: dict[str, float]) -> None:
     ref, ref_hidden, ref_weight = reference(case, objective)
-    assert out.agree is not None and out.accept is not None
-    assert_close(out.objective.detach(), ref.objective.detach(), "objective", **tol)
-    assert_close(out.ce, ref.ce, "per-token CE", **tol)
-    assert_close(out.accept, ref.accept, "expected acceptance", **tol)
-    assert torch.equal(out.correct, ref.correct), "correct flags"
-    assert torch.equal(out.agree, ref.agree), "agreement flags"
-    assert_close(hidden.grad, ref_hidden.grad, "hidden grad", **tol)
-    assert_close(weight.grad, ref_weight.grad, "weight grad", **tol)
+    assert_same_head_loss(out, ref, (hidden, weight), (ref_hidden, ref_weight), tol)
 
 
 # ------------------------------------------------------------------ against the dense reference

@@ -26,10 +26,9 @@ import mtp_hooks
 from mtp_hooks.ops.draft_rule import DraftRule
 from mtp_hooks.ops.lean_loss import KernelSpec, LeanMTPLoss, lean_mtp_loss
 from mtp_hooks.ops.vocab_parallel import argmax_matches
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, hooked_train_step, make_batch
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.support.probes import LargestOutput
-from tests.support.twins import hooked_step
 
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 7]  # one token, not dividing T, exactly T, more than T
 
@@ -328,10 +327,10 @@ def test_bf16_inputs_match_mcore_dense_within_bf16_rounding() -> None:
 SPEC = TinyGPT(vocab_size=80, hidden_size=32, mtp_num_layers=2)
 
 
-def hooked_train_step(model: torch.nn.Module, batch: Batch, **options: Any) -> tuple[Tensor, dict[str, float]]:
+def train_step_under(model: torch.nn.Module, batch: Batch, **options: Any) -> tuple[Tensor, dict[str, float]]:
     """One hooked training micro-batch under hooks attached for it; returns the logits and the metrics."""
     with mtp_hooks.attached(model, **options) as hooks:
-        return hooked_step(model, hooks, batch), hooks.metrics()
+        return hooked_train_step(model, hooks, batch), hooks.metrics()
 
 
 @pytest.mark.parametrize("detach_head", [False, True])
@@ -340,8 +339,8 @@ def test_lean_and_dense_hooks_give_equal_metrics_logits_and_grads(detach_head: b
     spec = dataclasses.replace(SPEC, tied=tied)
     batch = make_batch(spec.vocab_size, batch=2, seq=8, mask="random", seed=1)
     lean_model, dense_model = spec.build(seed=21), spec.build(seed=21)
-    lean_logits, lean_metrics = hooked_train_step(lean_model, batch, loss_impl="lean", chunk_size=3, detach_head=detach_head)
-    dense_logits, dense_metrics = hooked_train_step(dense_model, batch, loss_impl="dense", detach_head=detach_head)
+    lean_logits, lean_metrics = train_step_under(lean_model, batch, loss_impl="lean", chunk_size=3, detach_head=detach_head)
+    dense_logits, dense_metrics = train_step_under(dense_model, batch, loss_impl="dense", detach_head=detach_head)
     assert lean_metrics.keys() == dense_metrics.keys() and "mtp_2/loss" in lean_metrics
     for key, value in dense_metrics.items():
         assert lean_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -24,9 +24,9 @@ from torch import Tensor
 import mtp_hooks
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mtp_hooks.ops.logprobs import lean_logprobs
+from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, make_batch
 from tests.support.head_cases import HIDDEN, TOKENS, VOCAB, Leaves
-from tests.support.mcore_cpu import Batch, TinyGPT, assert_same_grads, make_batch
-from tests.support.twins import mtp_block_calls
+from tests.support.micro_batches import mtp_block_calls
 from tests.support.probes import LargestOutput
 
 CHUNK_SIZES = [1, 3, TOKENS, TOKENS + 5]  # one token, not dividing T, exactly T, more than T

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mtp_hooks
-from tests.support.mcore_cpu import TinyGPT, assert_same_grads, hooked_train_step, main_ce_from_logits, make_batch, masked_mean, stock_train_step
+from mtp_hooks.testing import TinyGPT, assert_same_grads, hooked_train_step, main_ce_from_logits, make_batch, masked_mean, stock_train_step
 
 VOCAB = 48
 SHAPE = TinyGPT(vocab_size=VOCAB)  # mtp_loss_scaling_factor 0.3

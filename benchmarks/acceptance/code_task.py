@@ -202,7 +202,7 @@ def _corpus(files: Optional[int], vocab: int, cache: Path) -> dict[str, Any]:
 
 
 class CodeTask:
-    """The standard library's code as a ``benchmarks.acceptance_task.Task`` (see the module docstring)."""
+    """The standard library's code as a ``benchmarks.acceptance.task.Task`` (see the module docstring)."""
 
     name = "code"
     policy_metrics = ("parses", "double_quotes")

@@ -5,10 +5,9 @@ verification step, the training cost, and the verdict chain-trained against teac
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
-from benchmarks.acceptance_report import _fmt, _ms, _spread
+from benchmarks.acceptance.figures import fmt, mean_range, spread
 
 # (chain-trained, its teacher-forced counterpart) pairs the verdict compares.
 PAIRS = (("ce+chain", "ce+tf"), ("accept+chain", "accept"), ("ce+chain", "ce"))
@@ -37,11 +36,11 @@ def verdict(runs: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
             realised = [_last(r, chained, f"realised_accept_{j}") - _last(r, base, f"realised_accept_{j}") for r in runs]
             expected = [_last(r, chained, f"accept_{j}") - _last(r, base, f"accept_{j}") for r in runs]
             out.append({"pair": f"{chained} vs {base}", "step": j,
-                        "seeds_realised_above": sum(g > 0 for g in realised), "realised_gain": _spread(realised),
-                        "seeds_expected_above": sum(g > 0 for g in expected), "expected_gain": _spread(expected)})
+                        "seeds_realised_above": sum(g > 0 for g in realised), "realised_gain": spread(realised),
+                        "seeds_expected_above": sum(g > 0 for g in expected), "expected_gain": spread(expected)})
         tokens = [_last(r, chained, "realised_tokens_per_step") - _last(r, base, "realised_tokens_per_step") for r in runs]
         out.append({"pair": f"{chained} vs {base}", "step": "tokens/step", "seeds_realised_above": sum(g > 0 for g in tokens),
-                    "realised_gain": _spread(tokens), "seeds_expected_above": math.nan, "expected_gain": _spread([math.nan])})
+                    "realised_gain": spread(tokens), "seeds_expected_above": math.nan, "expected_gain": spread([math.nan])})
     return out
 
 
@@ -70,10 +69,10 @@ def markdown_chain(result: dict[str, Any]) -> str:
     ]
     for name in names:
         d = summary["variants"][name]
-        cells = [f"{_ms(d[f'accept_{j}'][last])} | {_ms(d[f'realised_accept_{j}'][last])} ({_fmt(d[f'expected_at_tried_{j}'][last]['mean'])})"
+        cells = [f"{mean_range(d[f'accept_{j}'][last])} | {mean_range(d[f'realised_accept_{j}'][last])} ({fmt(d[f'expected_at_tried_{j}'][last]['mean'])})"
                  for j in range(1, k + 1)]
-        cost = _spread([r["variants"][name]["train_seconds_per_step"] for r in runs])
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_ms(d['realised_tokens_per_step'][last])} | {_ms(d['accept_len'][last])} | "
+        cost = spread([r["variants"][name]["train_seconds_per_step"] for r in runs])
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean_range(d['realised_tokens_per_step'][last])} | {mean_range(d['accept_len'][last])} | "
                      f"{cost['mean']:.3f} |")
     lines += ["", "Verdict at the last evaluation, chain-trained − counterpart (seeds above: of "
               f"{n}; gain mean ± sd (min–max)):", "",
@@ -83,38 +82,10 @@ def markdown_chain(result: dict[str, Any]) -> str:
         exp = "— | —" if row["step"] == "tokens/step" else f"{row['seeds_expected_above']} | {e['mean']:+.3f} ± {e['sd']:.3f} ({e['min']:+.3f} to {e['max']:+.3f})"
         lines.append(f"| {row['pair']} | {row['step']} | {row['seeds_realised_above']} | {g['mean']:+.3f} ± {g['sd']:.3f} "
                      f"({g['min']:+.3f} to {g['max']:+.3f}) | {exp} |")
-    pooled = [", ".join(f"{name} {_fmt(_pooled(runs, name, 'realised_accept', j))}/{_fmt(_pooled(runs, name, 'expected_at_tried', j))}"
+    pooled = [", ".join(f"{name} {fmt(_pooled(runs, name, 'realised_accept', j))}/{fmt(_pooled(runs, name, 'expected_at_tried', j))}"
                         f" of {sum(sum(r['variants'][name][f'tried_{j}']) for r in runs)}" for name in names) for j in range(1, k + 1)]
     worst = max(r["variants"][m]["accept_recomputed_max_diff"] for r in runs for m in r["variants"])
     lines += ["", "Loop check, every evaluation and seed pooled (realised / expected at the tried drafts, of drafts tried): "
               + "; ".join(f"step {j}: {text}" for j, text in enumerate(pooled, start=1))
               + f". Largest difference between the hooks' `mtp_j/accept` and the same quantity recomputed from the probed states: {worst:.1e}.", ""]
     return "\n".join(lines)
-
-
-def plot_chain(result: dict[str, Any], path: Path) -> None:
-    """Realised (solid) and expected (dashed) acceptance per draft step at the last evaluation, min–max bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
-    k, last = result["runs"][0]["setting"]["chain"], len(summary["steps"]) - 1
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = list(range(1, k + 1))
-    for i, (name, d) in enumerate(summary["variants"].items()):
-        x = [j + (i - 2.5) * 0.04 for j in steps]
-        real = [d[f"realised_accept_{j}"][last] for j in steps]
-        line = ax.errorbar(x, [c["mean"] for c in real], yerr=[[c["mean"] - c["min"] for c in real], [c["max"] - c["mean"] for c in real]],
-                           marker="o", ms=4, capsize=2, label=f"{name} realised")
-        ax.plot(x, [d[f"accept_{j}"][last]["mean"] for j in steps], "--", color=line[0].get_color(), alpha=0.6)
-    ax.set_xticks(steps)
-    ax.set_xlabel("draft step j (steps 2.. reuse the one MTP layer)")
-    ax.set_ylabel("acceptance at step j (dashed: expected)")
-    ax.set_title(f"k = {k} chain from N = 1, RL step {summary['steps'][last]}: mean of {len(summary['seeds'])} seeds, bars min–max", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

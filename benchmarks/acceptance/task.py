@@ -2,7 +2,7 @@
 
 A task (``Task``) is what the benchmark needs to know of the text: pretraining batches, held-out
 prompts, a reward on generated tokens and a few named policy measures. ``WordTask`` (here) and
-``benchmarks.acceptance_code.CodeTask`` (the standard library's own code) implement it.
+``benchmarks.acceptance.code_task.CodeTask`` (the standard library's own code) implement it.
 
 The language is a small word grammar with real next-token structure: every word has a fixed
 spelling (a start token that names the word, then 0-2 interior letters, so inside a word the next

@@ -18,7 +18,7 @@ from benchmarks.configs import Config, Shape
 
 WORD_VARIANTS = ("frozen", "ce", "distill", "tv")
 CODE_VARIANTS = WORD_VARIANTS + ("accept",)
-# The draft chain (``benchmarks.acceptance_chain``): plain = the N layers teacher-forced, ``+tf`` = k steps
+# The draft chain (``benchmarks.acceptance.chain``): plain = the N layers teacher-forced, ``+tf`` = k steps
 # teacher-forced, ``+chain`` = k steps on their own sampled drafts.
 CHAIN_VARIANTS = ("frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain")
 

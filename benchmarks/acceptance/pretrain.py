@@ -21,9 +21,9 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from benchmarks import models
-from benchmarks.acceptance_settings import Setting, config, shape_of
-from benchmarks.acceptance_spec import device_of, positions
-from benchmarks.acceptance_task import Task
+from benchmarks.acceptance.settings import Setting, config, shape_of
+from benchmarks.acceptance.drafts import device_of, positions
+from benchmarks.acceptance.task import Task
 
 
 def forward(model: nn.Module, tokens: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def pretrain(model: nn.Module, task: Task, setting: Setting, log: Any) -> dict[s
     windows: list[float] = []
     losses: list[float] = []
     flat = False
-    # accept_rule="sampled": the benchmark's speculative loop samples its drafts (acceptance_spec.py).
+    # accept_rule="sampled": the benchmark's speculative loop samples its drafts (drafts.py, mtp_hooks.testing.speculative).
     with mtp_hooks.attached(model, agreement_metrics=True, accept_rule="sampled") as hooks:
         for step in range(1, setting.sft_max_steps + 1):
             tokens = task.pretrain_batch(setting.sft_batch, setting.pretrain_seq, gen)

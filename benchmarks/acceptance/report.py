@@ -10,24 +10,15 @@ from typing import Any
 
 import torch
 
+from benchmarks.acceptance.chain_report import markdown_chain
+from benchmarks.acceptance.figures import fmt, mean_range, spread
+from benchmarks.acceptance.plots import plot, plot_chain
+
 
 def versions() -> dict[str, str]:
     from importlib.metadata import version
 
     return {"torch": torch.__version__, "megatron-core": version("megatron-core"), "python": platform.python_version()}
-
-
-def _fmt(x: float) -> str:
-    return "nan" if x != x else f"{x:.3f}"
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    values = [v for v in values if v == v]  # NaN (no such rollout in a seed) is left out
-    if not values:
-        return {"mean": math.nan, "sd": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    mean = sum(values) / len(values)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": len(values)}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -39,22 +30,22 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": steps, "seeds": [r["setting"]["seed"] for r in runs], "variants": {}}
     for name in runs[0]["variants"]:
         out["variants"][name] = {
-            key: [_spread([r["variants"][name][key][i] for r in runs]) for i in range(len(steps))] for key in series
+            key: [spread([r["variants"][name][key][i] for r in runs]) for i in range(len(steps))] for key in series
         }
-    out["reward"] = [_spread([r["reward"]["held_out_mean"][i] for r in runs]) for i in range(len(steps))]
+    out["reward"] = [spread([r["reward"]["held_out_mean"][i] for r in runs]) for i in range(len(steps))]
     for name in runs[0].get("policy_metrics", ["grammatical_share"]):
-        out[name] = [_spread([r[name][i] for r in runs]) for i in range(len(steps))]
+        out[name] = [spread([r[name][i] for r in runs]) for i in range(len(steps))]
     if "kl_to_pretrained" in runs[0]:
-        out["kl_to_pretrained"] = [_spread([r["kl_to_pretrained"]["held_out"][i] for r in runs]) for i in range(len(steps))]
-        out["train_reward"] = [_spread(list(col)) for col in zip(*(r["reward"]["train_mean_per_step"] for r in runs))]
-        out["train_kl"] = [_spread(list(col)) for col in zip(*(r["kl_to_pretrained"]["train_per_step"] for r in runs))]
+        out["kl_to_pretrained"] = [spread([r["kl_to_pretrained"]["held_out"][i] for r in runs]) for i in range(len(steps))]
+        out["train_reward"] = [spread(list(col)) for col in zip(*(r["reward"]["train_mean_per_step"] for r in runs))]
+        out["train_kl"] = [spread(list(col)) for col in zip(*(r["kl_to_pretrained"]["train_per_step"] for r in runs))]
     last = {name: [r["variants"][name]["accept_1"][-1] + r["variants"][name]["accept_2"][-1] for r in runs] for name in runs[0]["variants"]}
     length = {name: [r["variants"][name].get("accept_len", [math.nan])[-1] for r in runs] for name in runs[0]["variants"]}
     out["verdict"] = {
         name: {"seeds_above_frozen": sum(a > f for a, f in zip(last[name], last["frozen"])),
-               "mean_gain_over_frozen": _spread([(a - f) / 2 for a, f in zip(last[name], last["frozen"])]),
+               "mean_gain_over_frozen": spread([(a - f) / 2 for a, f in zip(last[name], last["frozen"])]),
                "seeds_accept_len_above_frozen": sum(a > f for a, f in zip(length[name], length["frozen"])),
-               "accept_len_gain_over_frozen": _spread([a - f for a, f in zip(length[name], length["frozen"])])}
+               "accept_len_gain_over_frozen": spread([a - f for a, f in zip(length[name], length["frozen"])])}
         for name in last if name != "frozen"
     }
     return out
@@ -72,12 +63,9 @@ def merge_seeds(records: list[dict[str, Any]]) -> dict[str, Any]:
     else:
         out = {"task": records[0]["task"], "temperatures": {t: joined([r["temperatures"][t] for r in records]) for t in records[0]["temperatures"]}}
     out["wall_seconds"] = max(record["wall_seconds"] for record in records)  # the processes ran side by side
+    if "mode" in records[0]:
+        out["mode"] = records[0]["mode"]
     return out
-
-
-def _ms(d: dict[str, float]) -> str:
-    """mean (min–max) over seeds."""
-    return f"{_fmt(d['mean'])} ({_fmt(d['min'])}–{_fmt(d['max'])})"
 
 
 def markdown_words(result: dict[str, Any]) -> str:
@@ -102,12 +90,12 @@ def markdown_words(result: dict[str, Any]) -> str:
     ]
     for name, d in summary["variants"].items():
         lines.append(
-            f"| {name} | {_fmt(d['accept_1'][0]['mean'])} → **{_ms(d['accept_1'][last])}** | "
-            f"{_fmt(d['accept_2'][0]['mean'])} → **{_ms(d['accept_2'][last])}** | "
-            f"{_fmt(d['agree_1'][last]['mean'])} / {_fmt(d['agree_2'][last]['mean'])} | {_ms(d['tokens_per_step'][last])} | "
-            f"{_ms(d['realised_tokens_per_step'][last])} | {_fmt(d['realised_accept_1'][last]['mean'])} "
-            f"({_fmt(d['expected_at_tried_1'][last]['mean'])}) / {_fmt(d['realised_accept_2'][last]['mean'])} "
-            f"({_fmt(d['expected_at_tried_2'][last]['mean'])}) |"
+            f"| {name} | {fmt(d['accept_1'][0]['mean'])} → **{mean_range(d['accept_1'][last])}** | "
+            f"{fmt(d['accept_2'][0]['mean'])} → **{mean_range(d['accept_2'][last])}** | "
+            f"{fmt(d['agree_1'][last]['mean'])} / {fmt(d['agree_2'][last]['mean'])} | {mean_range(d['tokens_per_step'][last])} | "
+            f"{mean_range(d['realised_tokens_per_step'][last])} | {fmt(d['realised_accept_1'][last]['mean'])} "
+            f"({fmt(d['expected_at_tried_1'][last]['mean'])}) / {fmt(d['realised_accept_2'][last]['mean'])} "
+            f"({fmt(d['expected_at_tried_2'][last]['mean'])}) |"
         )
     lines += ["", f"Verdict from the seeds (mean expected acceptance over both depths at step {steps[last]}, trained draft − frozen):", "",
               "| variant | seeds above frozen | gain: mean ± sd (min–max) |", "|---|---:|---:|"]
@@ -135,49 +123,10 @@ def markdown_words(result: dict[str, Any]) -> str:
         "|---:|---:|---:|" + "---:|" * len(summary["variants"]),
     ]
     for i, step in enumerate(steps):
-        cells = [f"{_fmt(d['accept_1'][i]['mean'])} / {_fmt(d['accept_2'][i]['mean'])} ({_fmt(d['accept_1'][i]['min'])}–{_fmt(d['accept_1'][i]['max'])})"
+        cells = [f"{fmt(d['accept_1'][i]['mean'])} / {fmt(d['accept_2'][i]['mean'])} ({fmt(d['accept_1'][i]['min'])}–{fmt(d['accept_1'][i]['max'])})"
                  for d in summary["variants"].values()]
-        lines.append(f"| {step} | {_fmt(summary['reward'][i]['mean'])} | {_fmt(summary['grammatical_share'][i]['mean'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {step} | {fmt(summary['reward'][i]['mean'])} | {fmt(summary['grammatical_share'][i]['mean'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot(result: dict[str, Any], path: Path, title: str = "") -> None:
-    """Mean expected acceptance per variant and depth over the seeds, with the min–max band; the policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
-    steps = summary["steps"]
-    colours = {"frozen": "tab:gray", "ce": "tab:blue", "distill": "tab:orange", "tv": "tab:green", "accept": "tab:purple"}
-    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.4]})
-    for name, d in summary["variants"].items():
-        for k, style in ((1, "-"), (2, "--")):
-            series = d[f"accept_{k}"]
-            ax.plot(steps, [x["mean"] for x in series], style, color=colours.get(name), marker="o", ms=3, label=f"{name}, depth {k}")
-            ax.fill_between(steps, [x["min"] for x in series], [x["max"] for x in series], color=colours.get(name), alpha=0.12)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("expected acceptance  Σ min(p, q)  (higher is better)")
-    ax.set_title(f"{title}MTP draft acceptance on fresh rollouts: mean of {len(summary['seeds'])} seeds, band = min–max", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    ax_r.plot(steps, [x["mean"] for x in summary["reward"]], color="black", marker="o", ms=3, label="reward")
-    for name, colour in zip([k for k in ("grammatical_share", "parses", "double_quotes") if k in summary], ("tab:red", "tab:brown", "tab:cyan")):
-        ax_r.plot(steps, [x["mean"] for x in summary[name]], color=colour, marker="o", ms=3, label=name.replace("_", " "))
-    if "kl_to_pretrained" in summary:
-        ax_k = ax_r.twinx()
-        ax_k.plot(steps, [x["mean"] for x in summary["kl_to_pretrained"]], "--", color="tab:olive", marker="s", ms=3, label="KL to pretrained (right)")
-        ax_k.legend(fontsize=7, loc="lower right")
-    ax_r.set_xlabel("RL step")
-    ax_r.set_title("policy (held-out rollouts, mean)")
-    ax_r.legend(fontsize=7)
-    ax_r.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 
 
 def _speculative_line(runs: list[dict[str, Any]]) -> str:
@@ -194,7 +143,7 @@ def _speculative_line(runs: list[dict[str, Any]]) -> str:
 
 def _series(values: list[dict[str, float]], every: int) -> str:
     picked = [(i + 1, v) for i, v in enumerate(values) if (i + 1) % every == 0 or i == 0 or i + 1 == len(values)]
-    return ", ".join(f"{i}: {_fmt(v['mean'])}" for i, v in picked)
+    return ", ".join(f"{i}: {fmt(v['mean'])}" for i, v in picked)
 
 
 def markdown_code(result: dict[str, Any]) -> str:
@@ -213,7 +162,7 @@ def markdown_code(result: dict[str, Any]) -> str:
             f"evaluation files; {runs[0]['corpus']['train_tokens']:,} training tokens), byte-level BPE with V = {c['vocab']:,}. GPTModel "
             f"h={s['hidden']}, {s['layers']} layers, {s['heads']} heads, RoPE, N={s['mtp']} MTP layers. Pretraining (joint main + MTP, "
             f"{s['sft_batch']} x {s['pretrain_seq'] if 'pretrain_seq' in s else s['sft_seq']} tokens per step): "
-            + ", ".join(f"{p['steps']} steps (held-out CE {_fmt(p.get('held_out_loss', [math.nan])[-1])}, "
+            + ", ".join(f"{p['steps']} steps (held-out CE {fmt(p.get('held_out_loss', [math.nan])[-1])}, "
                         f"{'flattened' if p['plateau'] else 'still falling: capped'})" for p in sft)
             + f". RL: {s['rl_steps']} GRPO steps of {s['prompts']}x{s['group']} rollouts of {s['seq']} tokens ({s['prompt']}-token prompt: "
             f"the start of a held-out function); evaluated on {s['eval_rollouts']} fresh rollouts from evaluation-file prompts every "
@@ -228,11 +177,11 @@ def markdown_code(result: dict[str, Any]) -> str:
         ]
         for name, d in summary["variants"].items():
             lines.append(
-                f"| {name} | {_fmt(d['accept_1'][0]['mean'])} → **{_ms(d['accept_1'][last])}** | "
-                f"{_fmt(d['accept_2'][0]['mean'])} → **{_ms(d['accept_2'][last])}** | "
-                f"{_fmt(d['accept_len'][0]['mean'])} → **{_ms(d['accept_len'][last])}** | {_ms(d['realised_tokens_per_step'][last])} | "
-                f"{_fmt(d['realised_accept_1'][last]['mean'])} ({_fmt(d['expected_at_tried_1'][last]['mean'])}) / "
-                f"{_fmt(d['realised_accept_2'][last]['mean'])} ({_fmt(d['expected_at_tried_2'][last]['mean'])}) |"
+                f"| {name} | {fmt(d['accept_1'][0]['mean'])} → **{mean_range(d['accept_1'][last])}** | "
+                f"{fmt(d['accept_2'][0]['mean'])} → **{mean_range(d['accept_2'][last])}** | "
+                f"{fmt(d['accept_len'][0]['mean'])} → **{mean_range(d['accept_len'][last])}** | {mean_range(d['realised_tokens_per_step'][last])} | "
+                f"{fmt(d['realised_accept_1'][last]['mean'])} ({fmt(d['expected_at_tried_1'][last]['mean'])}) / "
+                f"{fmt(d['realised_accept_2'][last]['mean'])} ({fmt(d['expected_at_tried_2'][last]['mean'])}) |"
             )
         lines += ["", f"Verdict from the seeds at step {steps[last]} (trained draft − frozen):", "",
                   "| variant | mean acceptance of both depths: seeds above frozen | gain mean ± sd (min–max) | "
@@ -254,9 +203,9 @@ def markdown_code(result: dict[str, Any]) -> str:
             "|---:|---:|---:|---:|---:|" + "---:|" * len(summary["variants"]),
         ]
         for i, step in enumerate(steps):
-            cells = [f"{_fmt(d['accept_1'][i]['mean'])} / {_fmt(d['accept_2'][i]['mean'])}" for d in summary["variants"].values()]
-            lines.append(f"| {step} | {_fmt(summary['reward'][i]['mean'])} | {_fmt(summary['parses'][i]['mean'])} | "
-                         f"{_fmt(summary['double_quotes'][i]['mean'])} | {summary['kl_to_pretrained'][i]['mean']:.4f} | " + " | ".join(cells) + " |")
+            cells = [f"{fmt(d['accept_1'][i]['mean'])} / {fmt(d['accept_2'][i]['mean'])}" for d in summary["variants"].values()]
+            lines.append(f"| {step} | {fmt(summary['reward'][i]['mean'])} | {fmt(summary['parses'][i]['mean'])} | "
+                         f"{fmt(summary['double_quotes'][i]['mean'])} | {summary['kl_to_pretrained'][i]['mean']:.4f} | " + " | ".join(cells) + " |")
         every = max(1, len(summary["train_reward"]) // 8)
         lines += ["", f"GRPO training batches, mean over seeds, by step: reward {_series(summary['train_reward'], every)}; "
                       f"KL to the pretrained policy {_series(summary['train_kl'], every)}.", ""]
@@ -269,22 +218,20 @@ def _is_chain(result: dict[str, Any]) -> bool:
 
 def markdown(result: dict[str, Any]) -> str:
     if _is_chain(result):
-        from benchmarks.acceptance_chain_report import markdown_chain
-
         return markdown_chain(result)
     return markdown_code(result) if "temperatures" in result else markdown_words(result)
 
 
 def write_outputs(result: dict[str, Any], out: Path) -> None:
+    """``acceptance.json``, ``acceptance.md`` and the plots, titled with the run's mode (``quick run``, ...)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(result, indent=1))
     (out / "acceptance.md").write_text(markdown(result))
+    mode = f"{result['mode']} run" if result.get("mode") else ""
     if "temperatures" in result:
         for temperature, record in result["temperatures"].items():
-            plot(record, out / f"acceptance-T{temperature}.png", title=f"T = {temperature}: ")
+            plot(record, out / f"acceptance-T{temperature}.png", title=f"{mode + ', ' if mode else ''}T = {temperature}: ")
     elif _is_chain(result):
-        from benchmarks.acceptance_chain_report import plot_chain
-
-        plot_chain(result, out / "acceptance-chain.png")
+        plot_chain(result, out / "acceptance-chain.png", title=f"{mode}: " if mode else "")
     else:
-        plot(result, out / "acceptance.png")
+        plot(result, out / "acceptance.png", title=f"{mode}: " if mode else "")

@@ -1,0 +1,72 @@
+"""The acceptance benchmark's command line: ``python -m benchmarks.acceptance`` (the package docstring says what it runs)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size|full scope).*")
+
+import torch  # noqa: E402
+
+import benchmarks.acceptance  # noqa: E402
+from benchmarks import models  # noqa: E402
+from benchmarks.acceptance import report  # noqa: E402
+from benchmarks.acceptance.experiment import CACHE, TASKS, run_task  # noqa: E402
+from benchmarks.acceptance.settings import SETTINGS, config, overrides  # noqa: E402
+
+SEEDS = (0, 1, 2)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=(benchmarks.acceptance.__doc__ or "").split("\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="code", help="code (default): the standard library's source; words: the synthetic language")
+    parser.add_argument("--quick", action="store_true", help="the short schedule (3 seeds in minutes on 2 cores)")
+    parser.add_argument("--config", "--setting", dest="setting", help="named schedule: quick, full (default), smoke; code also gpu (one CUDA device), chain (k = 3 drafts from N = 1), chain-smoke")
+    parser.add_argument("--set", default="", metavar="FIELD=VALUE,...", help="override sizes or schedule, e.g. hidden=32,layers=1,device=cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/acceptance"))
+    parser.add_argument("--cache", type=Path, default=CACHE, help="tokenizer, token streams and pretrained models (code task)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (small matmuls: 1 is fastest on a shared CPU)")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default: 0,1,2; at least 1)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="join the acceptance.json of runs over separate seeds into --out, run nothing")
+    args = parser.parse_args(argv)
+    if args.merge:
+        result = report.merge_seeds([json.loads((directory / "acceptance.json").read_text()) for directory in args.merge])
+        report.write_outputs(result, args.out)
+        print(report.markdown(result))
+        return 0
+    name = args.setting or ("quick" if args.quick else "full")
+    if name not in SETTINGS[args.task]:
+        parser.error(f"--config {name!r}: the {args.task} task has {', '.join(sorted(SETTINGS[args.task]))}")
+    try:
+        setting = dataclasses.replace(SETTINGS[args.task][name], **overrides(args.set))
+    except ValueError as error:
+        parser.error(str(error))
+    seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip())
+    if not seeds:
+        parser.error("--seeds needs at least one seed")
+    torch.set_num_threads(args.threads)
+    if setting.device != "cpu":  # the controlled experiment needs bit-identical main updates in every variant
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        models.setup(config(setting), stack)
+        result = run_task(setting, seeds, cache=args.cache)
+    result["wall_seconds"] = time.perf_counter() - started
+    result["mode"] = name  # the named setting (quick, full, chain, ...): the plots' titles say it
+    report.write_outputs(result, args.out)
+    print(report.markdown(result))
+    print(f"written: {args.out}/acceptance.json, acceptance.md and the plots")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
