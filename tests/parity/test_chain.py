@@ -231,7 +231,7 @@ def _counting_model(random_layers: tuple[int, ...] = (), seed: int = 3) -> torch
 
 
 def _agreement(model: torch.nn.Module, **options: Any) -> dict[str, float]:
-    hooks = mtp_hooks.attach(model, agreement_metrics=True, draft_inputs="argmax", **options)
+    hooks = mtp_hooks.attach(model, agreement_metrics=True, **{"draft_inputs": "argmax", **options})
     ids = (torch.arange(16).unsqueeze(0) + torch.tensor([[3], [40]])) % VOCAB  # counting: the target's own greedy rollouts
     batch = make_batch(VOCAB, batch=2, seq=16, mask="ones")
     batch.input_ids, batch.labels = ids, torch.roll(ids, -1, 1)
@@ -249,14 +249,42 @@ def test_the_first_layer_schedule_predicts_what_an_engine_running_layer_1_for_ev
     assert per_step["mtp_1/agree"] == 1.0 and per_step["mtp_2/agree"] < 0.5
 
 
-def test_the_first_layer_schedule_leaves_the_other_layers_untrained() -> None:
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("accept_rule", ["argmax", "sampled", "match"])
+def test_the_first_layer_schedules_acceptance_follows_its_steps_under_every_rule(accept_rule: str, temperature: float) -> None:
+    """``accept_rule`` with ``draft_layers="first"``: ``mtp_j/accept`` and ``mtp/accept_len`` are draft
+    step j's, whichever layer ran it, under the rule. The counting model's layer 1 drafts the target's
+    own (sharp) distribution, so every rule accepts both of its steps ([1, 1], length 2; exactly at
+    T = 0, where every rule is argmax agreement); under ``"per_step"`` step 2 is the random layer 2."""
+    options = dict(accept_rule=accept_rule, draft_temperature=temperature, draft_inputs="sample")
+    first = _agreement(_counting_model(random_layers=(1,)), draft_layers="first", **options)
+    per_step = _agreement(_counting_model(random_layers=(1,)), **options)
+    tol = 0.0 if temperature == 0.0 else 1e-3
+    assert [first["mtp_1/accept"], first["mtp_2/accept"], first["mtp/accept_len"]] == pytest.approx([1.0, 1.0, 2.0], abs=2 * tol)
+    assert per_step["mtp_1/accept"] == pytest.approx(1.0, abs=tol) and per_step["mtp_2/accept"] < 0.01
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"objective": "accept", "draft_temperature": 0.7},  # the argmax rule's surrogate
+        {"objective": "accept", "draft_temperature": 0.0},  # greedy: the CE against the target's argmax
+        {"objective": "accept", "accept_rule": "match", "draft_temperature": 0.7},
+    ],
+    ids=["ce", "accept-argmax", "accept-argmax-greedy", "accept-match"],
+)
+def test_the_first_layer_schedule_leaves_the_other_layers_untrained(options: dict[str, Any]) -> None:
     model = SHAPE.build()
-    hooks = mtp_hooks.attach(model, draft_layers="first", draft_steps=3)
+    hooks = mtp_hooks.attach(model, draft_layers="first", draft_steps=3, **options)
     hooked_train_step(model, hooks, make_batch(VOCAB, batch=2, seq=8))
     grads = grads_of(model)
     assert all(grads[name] is None for name in grads if name.startswith("mtp.layers.1.")), "layer 2 runs no step"
-    assert grads["mtp.layers.0.eh_proj.weight"] is not None
-    assert sorted(k for k in hooks.metrics() if k.endswith("/loss")) == ["mtp_1/loss", "mtp_2/loss", "mtp_3/loss"]
+    assert grads["mtp.layers.0.eh_proj.weight"] is not None and grads["mtp.layers.0.eh_proj.weight"].any()
+    metrics = hooks.metrics()
+    assert sorted(k for k in metrics if k.endswith("/loss")) == ["mtp_1/loss", "mtp_2/loss", "mtp_3/loss"]
+    if options:  # a draft objective measures every step's acceptance under its rule
+        assert sorted(k for k in metrics if k.endswith("/accept")) == ["mtp_1/accept", "mtp_2/accept", "mtp_3/accept"]
 
 
 @pytest.mark.parametrize("steps", [None, 2])
