@@ -213,3 +213,46 @@ def cp_group_of(model: nn.Module, packed_seq_params: Any = None) -> Optional[tor
         group = getattr(pg_collection, "cp", None)
     return group
 
+
+
+# The transformer layer inside an MTP layer: ``transformer_layer`` up to 0.16.1, ``mtp_model_layer``
+# from 0.17.1 (where it may also be a hybrid stack). Feature-detected on the layer instance.
+MTP_LAYER_BODY_NAMES = ("mtp_model_layer", "transformer_layer")
+
+
+def mtp_layer_body_name(layer: nn.Module) -> str:
+    """The attribute under which ``layer`` (a ``MultiTokenPredictionLayer``) holds its transformer layer."""
+    for name in MTP_LAYER_BODY_NAMES:
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise MTPHooksError(
+        "model: an MTP layer without a transformer layer this release names\n"
+        f"  expected: a MultiTokenPredictionLayer with one of {', '.join(MTP_LAYER_BODY_NAMES)}\n"
+        f"  received: a {type(layer).__name__} without them"
+    )
+
+
+def expert_parallel_group_of(experts: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The expert-parallel group of an MoE experts module (``SequentialMLP``, ``TEGroupedMLP``): its own
+    ``ep_group`` (0.14+), else mcore's global one."""
+    group = getattr(experts, "ep_group", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_expert_model_parallel_group()
+    return group
+
+
+def expert_tp_group_of(linear: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The tensor-parallel group of an expert's linear layer: the expert-TP group, which mcore
+    passes to every expert linear; mcore's global one where the layer does not hold it."""
+    group = getattr(linear, "tp_group", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_expert_tensor_parallel_group()
+    return group
+
+
+def pipeline_group_of(model: nn.Module) -> Optional[torch.distributed.ProcessGroup]:
+    """The pipeline-parallel group of a language model (``pg_collection.pp`` where it has one)."""
+    group = getattr(getattr(model, "pg_collection", None), "pp", None)
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_pipeline_model_parallel_group()
+    return group

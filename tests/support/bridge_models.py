@@ -146,13 +146,14 @@ _HF_CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str]]] = {
 }
 
 
-def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64) -> Any:
-    """transformers' config of ``family`` (one of ``FAMILIES``) with ``depth`` MTP layers (``None``: no MTP)."""
+def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2) -> Any:
+    """transformers' config of ``family`` (one of ``FAMILIES``) with ``depth`` MTP layers (``None``: no MTP)
+    after ``num_layers`` decoder layers."""
     if family not in _HF_CONFIGS:
         raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
     class_name, settings, model_type = _HF_CONFIGS[family]
     extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    config = getattr(transformers, class_name)(vocab_size=vocab_size, **_EVERY_FAMILY, **settings, **extra)
+    config = getattr(transformers, class_name)(vocab_size=vocab_size, **{**_EVERY_FAMILY, "num_hidden_layers": num_layers}, **settings, **extra)
     if model_type is not None:
         config.model_type = model_type
     return config
@@ -190,9 +191,9 @@ def _field_default(config_class: type, name: str) -> Any:
     return {field.name: field.default for field in dataclasses.fields(config_class)}[name]
 
 
-def make_bridge(family: str, depth: Optional[int] = 1, vocab_size: int = 64) -> Any:
+def make_bridge(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2) -> Any:
     """mbridge's bridge for ``family`` with the CPU overrides (the three workarounds applied)."""
-    config = hf_config(family, depth, vocab_size)
+    config = hf_config(family, depth, vocab_size, num_layers)
     if family == "deepseek_v3":
         bridge = _deepseek_v3_bridge_class()(config, dtype=torch.float32)
     else:
@@ -247,7 +248,7 @@ def attention_environment_kept() -> Iterator[None]:
 
 @dataclasses.dataclass
 class BridgeModel:
-    """Shape of one bridge-built family with ``mtp_num_layers`` MTP layers (``None``: without MTP).
+    """Shape of one bridge-built family: ``num_layers`` decoder layers, ``mtp_num_layers`` MTP layers (``None``: none).
 
     ``build(seed)`` gives identical twins for the same seed (``tests.support.twins.Twins`` takes it as a
     shape). Build inside ``tests.support.mcore_moe.moe_mla_on_cpu()`` (MoE router and MLA on CPU).
@@ -256,9 +257,10 @@ class BridgeModel:
     family: str
     mtp_num_layers: Optional[int] = 1
     vocab_size: int = 64
+    num_layers: int = 2
 
     def bridge(self) -> Any:
-        return make_bridge(self.family, self.mtp_num_layers, self.vocab_size)
+        return make_bridge(self.family, self.mtp_num_layers, self.vocab_size, self.num_layers)
 
     def config(self) -> Any:
         return self.bridge().config

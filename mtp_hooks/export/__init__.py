@@ -1,0 +1,31 @@
+"""The MTP layers' weights under a rollout engine's names: what the trained draft is in vLLM and SGLang.
+
+``mtp_hf_weights(model, layout)`` yields ``(hf_name, tensor)`` pairs for a model's MTP layers, in
+the form vLLM's ``model.load_weights`` and verl's ``per_tensor_generator`` take, gathered to full
+tensors over TP, EP and (by default) PP, whether or not ``mtp_hooks`` are attached. The main
+model's weights stay with the bridges: ``check_bridge_export`` checks a bridge's MTP tensors
+against these (and names the bridges' known defects), ``replace_mtp_weights`` swaps them in a
+bridge's weight stream.
+
+* ``layouts``: the layouts (``"deepseek_v3"``, ``"mimo"``) and what each requires of a model;
+* ``names``: mcore's names (Transformer Engine or local) -> HF decoder-layer names;
+* ``convert``: the gate/up and QKV splits, MiMo's swapped input halves;
+* ``gather``: TP shards and EP experts to full tensors; ``pipeline``: from the MTP stage to all;
+* ``weights``: ``mtp_hf_weights``, ``mtp_hf_weights_from_state_dict``;
+* ``bridges``: ``check_bridge_export``, ``BridgeExportError``, ``replace_mtp_weights``.
+"""
+
+from mtp_hooks.export.bridges import KNOWN_DEFECTS, BridgeExportError, check_bridge_export, replace_mtp_weights
+from mtp_hooks.export.layouts import LAYOUTS, Layout
+from mtp_hooks.export.weights import mtp_hf_weights, mtp_hf_weights_from_state_dict
+
+__all__ = [
+    "KNOWN_DEFECTS",
+    "LAYOUTS",
+    "BridgeExportError",
+    "Layout",
+    "check_bridge_export",
+    "mtp_hf_weights",
+    "mtp_hf_weights_from_state_dict",
+    "replace_mtp_weights",
+]
