@@ -40,7 +40,7 @@ class PushReport:
     """One push: how many tensors and bytes reached the engine, and how long it took."""
 
     tensors: int
-    bytes: int  # in the engine's dtype: what crossed into the engine
+    bytes: int  # of the pushed tensors as given (the engine casts them to its parameters' dtypes)
     seconds: float  # the whole call: cast, transfer, the engine's load and processing
     engine_seconds: float  # inside the engine: load and processing
     writes: tuple[Write, ...]
@@ -77,14 +77,16 @@ class VLLMSync:
         return model
 
     def engine_dtype(self) -> torch.dtype:
-        """The engine's model dtype (what pushed tensors are cast to)."""
+        """The engine's model dtype (its parameters' but for a few it keeps in fp32, as MoE gates)."""
         return self._llm.llm_engine.model_config.dtype
 
     def push(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> PushReport:
         """Load ``(hf_name, tensor)`` pairs into the engine's ``model`` and re-derive its runtime weights.
 
-        Each tensor is cast to the engine's dtype on its own device, then loaded by the engine's
-        ``load_weights`` inside vLLM's layerwise reload (``mtp_hooks.engine.vllm_worker``).
+        The tensors go as they are (the engine's copy casts each to its parameter's dtype, as a
+        load from disk does): loaded by the engine's ``load_weights`` inside vLLM's layerwise reload
+        (``mtp_hooks.engine.vllm_worker``). Push tensors in the dtype the engine computes in (bf16)
+        to halve the bytes of an fp32 trainer's.
 
         Raises:
             MTPHooksError: a name the engine's loader did not take (not this model's, or a tensor
@@ -94,8 +96,7 @@ class VLLMSync:
         """
         role = self._role(model)
         start = time.perf_counter()
-        dtype = self.engine_dtype()
-        pairs = [(name, tensor.detach().to(dtype=dtype).contiguous()) for name, tensor in weights]
+        pairs = [(name, tensor.detach().contiguous()) for name, tensor in weights]
         if not pairs:
             raise bad_argument("weights", "at least one (hf_name, tensor) pair", "an empty iterable")
         outcome: PushOutcome = self._llm.collective_rpc(push_on_worker, args=(pairs, role))[0]
@@ -122,8 +123,8 @@ class VLLMSync:
     def check(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> int:
         """Prove that the engine's ``model`` holds ``weights``: per-tensor checksums on each side.
 
-        The trainer's side: each tensor cast to the engine's dtype and checksummed on its own
-        device. The engine's side: the checksums its loader's writes had at the last push, and,
+        The trainer's side: each tensor cast to the dtype of the engine parameter it went into at
+        the last push (bf16, fp32 for MoE gates) and checksummed on its own device. The engine's side: the checksums its loader's writes had at the last push, and,
         where the engine still holds the written view (not repacked and released by its kernels),
         the view's checksum now. Only the checksums cross to the host.
 

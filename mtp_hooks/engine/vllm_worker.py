@@ -116,7 +116,7 @@ def _live_view(tensors: dict[str, Tensor], parameter: str, parameter_shape: tupl
     return tensor.detach().as_strided(tuple(shape), tuple(stride), tensor.storage_offset() + offset)
 
 
-def _restore_released_mla_weights(model: nn.Module) -> None:
+def restore_released_mla_weights(model: nn.Module) -> None:
     """Give MLA ``kv_b_proj`` layers whose weight the CPU AMX backend released a load-format weight again."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
@@ -129,7 +129,14 @@ def _restore_released_mla_weights(model: nn.Module) -> None:
         meta = info.restore_metadata[0].get("weight")
         if meta is not None and meta.numel():
             with info.restore_device:
-                module.register_parameter("weight", materialize_meta_tensor(meta))
+                fresh = materialize_meta_tensor(meta)
+            # the recorded metadata keeps the loader wrapper of a finished reload: load through the original
+            loader = getattr(fresh, "weight_loader", None)
+            while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+                loader = loader.__wrapped__
+            if loader is not None:
+                fresh.weight_loader = loader
+            module.register_parameter("weight", fresh)
 
 
 def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) -> PushOutcome:
@@ -145,7 +152,7 @@ def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) 
     start = time.perf_counter()
     recorder = _WriteRecorder(model, pairs)
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        _restore_released_mla_weights(model)
+        restore_released_mla_weights(model)
         initialize_layerwise_reload(model)
         with recorder:
             try:
