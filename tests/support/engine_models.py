@@ -222,12 +222,13 @@ def counting_prompts(count: int = 16, length: int = 8) -> list[list[int]]:
     return [[2 + (s + j - 2) % (VOCAB - 2) for j in range(length)] for s in starts]
 
 
-def trainer(family: str, draft: str = "copy", sigma: float = 0.0, mtp_num_layers: int = 1, seed: int = 0) -> torch.nn.Module:
-    """The family's mcore model (this process's parallel layout) with the counting target and ``draft``."""
+def trainer(family: str, draft: str = "copy", sigma: float = 0.0, mtp_num_layers: int = 1, seed: int = 0, **model_kwargs: Any) -> torch.nn.Module:
+    """The family's mcore model (this process's parallel layout; ``model_kwargs`` to ``GPTModel``,
+    e.g. a pipeline stage's ``pre_process``) with the counting target and ``draft``."""
     from mtp_hooks.testing import moe_mla_on_cpu
 
     with moe_mla_on_cpu():
-        model = shape(family, mtp_num_layers).build()
+        model = shape(family, mtp_num_layers).build(**model_kwargs)
     set_count_weights(model, draft, sigma, seed)
     return model
 
