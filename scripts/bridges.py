@@ -1,4 +1,5 @@
-"""Run the bridge-built families (``tests/integrations/test_bridges.py``) on every megatron-core release of the matrix.
+"""Run the bridge-built families (``tests/integrations/test_bridges.py``, and the MTP export against the bridge's
+own, ``tests/integrations/test_export_bridges.py``) on every megatron-core release of the matrix.
 
 The environments are the matrix's (``scripts/matrix.py``): the base venv of each Python and
 ``.mcore/<version>`` first on ``PYTHONPATH``. On top of them, after the megatron-core folder, comes
@@ -9,7 +10,8 @@ Unlike ``make test`` this fails when a test skips: here a skip means mbridge or 
 missing, or a release cannot build a family, which is what the run is for. A requested release
 that cannot run (no Python 3.12 interpreter) fails too, unless ``--allow-skip``.
 
-``--suite megatron-bridge`` runs ``tests/integrations/test_megatron_bridge.py`` instead: megatron-bridge 0.6.2
+``--suite megatron-bridge`` runs ``tests/integrations/test_megatron_bridge.py`` and
+``tests/integrations/test_export_megatron_bridge.py`` instead: megatron-bridge 0.6.2
 (Python 3.12 only) on megatron-core 0.19.2, with ``.bridges/py312-mb`` from
 ``requirements/bridges-megatron.txt`` (transformers 5.12.1).
 
@@ -38,7 +40,7 @@ OUT = ROOT / "matrix-out" / "bridges"
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
-    tests: str
+    tests: tuple[str, ...]
     requirements: Path
     overlay: str  # folder under .bridges/, "{py}" the Python version without the dot
     versions: tuple[str, ...]  # default releases
@@ -46,9 +48,9 @@ class Suite:
 
 SUITES = {
     # mbridge 0.15.1 + transformers 4.57.1: every matrix release
-    "mbridge": Suite("tests/integrations/test_bridges.py", ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
+    "mbridge": Suite(("tests/integrations/test_bridges.py", "tests/integrations/test_export_bridges.py"), ROOT / "requirements" / "bridges.txt", "py{py}", tuple(r.version for r in RELEASES)),
     # megatron-bridge 0.6.2 + transformers 5.12.1: Python 3.12 only, run on the newest release
-    "megatron-bridge": Suite("tests/integrations/test_megatron_bridge.py", ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
+    "megatron-bridge": Suite(("tests/integrations/test_megatron_bridge.py", "tests/integrations/test_export_megatron_bridge.py"), ROOT / "requirements" / "bridges-megatron.txt", "py{py}-mb", ("0.19.2",)),
 }
 
 
@@ -67,12 +69,12 @@ def run_release(suite: Suite, version: str, python: Path, bridges: Path, pytest_
     _, _, mcore = describe_stack(python, env)
     if mcore != version:
         raise RuntimeError(f"expected megatron-core {version} first on the path, imported {mcore}")
-    command = [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", suite.tests, *pytest_args]
+    command = [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *suite.tests, *pytest_args]
     start = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     seconds = time.monotonic() - start
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{Path(suite.tests).stem}-{version}.log").write_text(result.stdout + result.stderr)
+    (OUT / f"{Path(suite.tests[0]).stem}-{version}.log").write_text(result.stdout + result.stderr)
     counts = parse_counts(result.stdout)
     failed = counts.get("failed", 0) + counts.get("error", 0)
     ok = result.returncode == 0 and failed == 0 and counts.get("skipped", 0) == 0 and counts.get("passed", 0) > 0
@@ -121,7 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed = False
     if not args.build_only:
         # The runs are mostly imports, one thread each: ``--jobs`` of them at a time.
-        log(f"{suite.tests} on {', '.join(runs)} ({args.jobs} at a time)")
+        log(f"{' '.join(suite.tests)} on {', '.join(runs)} ({args.jobs} at a time)")
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = {version: pool.submit(run_release, suite, version, python, bridges, pytest_args) for version, (python, bridges) in runs.items()}
             for version, future in futures.items():
@@ -131,7 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 failed = failed or not ok
     rows = {version: rows[version] for version in wanted if version in rows}
     if rows:
-        print(f"\n| megatron-core | Python | {suite.tests} |\n|---|---|---|")
+        print(f"\n| megatron-core | Python | {' + '.join(suite.tests)} |\n|---|---|---|")
         for version, (python_version, result) in rows.items():
             print(f"| {version} | {python_version} | {result} |")
     if not_run and not args.allow_skip:

@@ -25,27 +25,31 @@ from mtp_hooks.errors import MTPHooksError, bad_argument, describe
 __all__ = ["LAYOUTS", "Layout", "layout_named"]
 
 
+_WRAPPER = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight")
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """One engine checkpoint layout for MTP layers (see the module docstring)."""
 
     name: str
-    # "{L}" and "{i}" filled per MTP layer (L: the main model's decoder layers).
+    # Names' prefix of MTP layer i: "{n}" is L + i (L: the main model's decoder layers), "{i}" is i.
     prefix: str
-    # mcore's wrapper tensors (relative to ``mtp.layers.{i}.``) -> the layout's names (relative to ``prefix``).
-    wrapper: dict[str, str]
+    # The layout's names of mcore's wrapper tensors, in ``_WRAPPER``'s order (relative to ``prefix``).
+    wrapper_leaves: tuple[str, ...]
     # Whether ``eh_proj``'s halves change places (the engine concatenates (hidden, embedding)).
     swap_input_halves: bool
-    # Matches a name of this layout's MTP range; group 1 is the layer number in the name.
-    pattern: str
-    # The layer number in a name is L + i (True) or i (False).
-    offset_by_num_layers: bool
     # Families of this layout (docs and messages).
     families: str
 
+    @property
+    def wrapper(self) -> dict[str, str]:
+        """mcore's wrapper tensors (relative to ``mtp.layers.{i}.``) -> the layout's names."""
+        return dict(zip(_WRAPPER, self.wrapper_leaves))
+
     def layer_prefix(self, num_layers: int, index: int) -> str:
         """The names' prefix of MTP layer ``index`` (0-based) of a model with ``num_layers`` decoder layers."""
-        return self.prefix.format(L=num_layers, i=index, n=num_layers + index)
+        return self.prefix.format(i=index, n=num_layers + index)
 
     def mtp_layer_of(self, hf_name: str, num_layers: int) -> Optional[int]:
         """The MTP layer (0-based) whose range ``hf_name`` falls in, or ``None`` for a main-model name.
@@ -53,36 +57,22 @@ class Layout:
         A deepseek_v3 name ``model.layers.{k}.*`` belongs to MTP layer ``k - L`` when ``k >= L``,
         whatever ``k`` (also a layer the model does not have, as a bridge may write it).
         """
-        found = re.match(self.pattern, hf_name)
+        pattern = "^" + re.escape(self.prefix).replace(r"\{n\}", r"(\d+)").replace(r"\{i\}", r"(\d+)")
+        found = re.match(pattern, hf_name)
         if found is None:
             return None
         number = int(found.group(1))
-        if self.offset_by_num_layers:
-            return number - num_layers if number >= num_layers else None
-        return number
+        if "{n}" not in self.prefix:
+            return number
+        return number - num_layers if number >= num_layers else None
 
-
-_WRAPPER = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight")
 
 LAYOUTS: dict[str, Layout] = {
-    "deepseek_v3": Layout(
-        name="deepseek_v3",
-        prefix="model.layers.{n}.",
-        wrapper=dict(zip(_WRAPPER, ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"))),
-        swap_input_halves=False,
-        pattern=r"^model\.layers\.(\d+)\.",
-        offset_by_num_layers=True,
-        families="DeepSeek-V3, GLM-4.5, GLM-4.7-Flash",
-    ),
-    "mimo": Layout(
-        name="mimo",
-        prefix="model.mtp_layers.{i}.",
-        wrapper=dict(zip(_WRAPPER, ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"))),
-        swap_input_halves=True,
-        pattern=r"^model\.mtp_layers\.(\d+)\.",
-        offset_by_num_layers=False,
-        families="MiMo",
-    ),
+    layout.name: layout
+    for layout in (
+        Layout("deepseek_v3", "model.layers.{n}.", ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"), False, "DeepSeek-V3, GLM-4.5, GLM-4.7-Flash"),
+        Layout("mimo", "model.mtp_layers.{i}.", ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"), True, "MiMo"),
+    )
 }
 
 

@@ -70,8 +70,8 @@ def mtp_hf_weights(model: Model, layout: Union[str, Layout], *, all_stages: bool
 
     Example::
 
-        llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.model.load_weights(
-            mtp_hf_weights(model, "deepseek_v3"))
+        # every rank, after the optimizer step; the engine's draft model takes the pairs as they come
+        draft_model.load_weights(mtp_hf_weights(model, "deepseek_v3"))
     """
     found = layout_named(layout)
     if not isinstance(all_stages, bool):

@@ -88,14 +88,20 @@ def mtp_state(model: torch.nn.Module) -> dict[str, Tensor]:
     return {name: tensor for name, tensor in model.state_dict().items() if name.startswith("mtp.") and not name.endswith("_extra_state")}
 
 
-def mbridge_pairs(bridge: Any, model: torch.nn.Module, mtp_only: bool = True) -> Iterator[tuple[str, Tensor]]:
+def mbridge_pairs(bridge: Any, model: torch.nn.Module, mtp_only: bool = True, mcore_0_16_names: bool = True) -> Iterator[tuple[str, Tensor]]:
     """mbridge's HF pairs of the model's MTP tensors (``mtp_only=False``: of all its tensors), its
-    ``_weight_to_hf_format`` tensor by tensor after the Transformer-Engine renaming."""
+    ``_weight_to_hf_format`` tensor by tensor after the Transformer-Engine renaming.
+
+    mbridge 0.15.1 knows the MTP layer's transformer layer as ``transformer_layer`` only; with
+    ``mcore_0_16_names`` the names of mcore 0.17+ (``mtp_model_layer``) are handed to it so.
+    """
     state = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
     if mtp_only:
         state = {name: t for name, t in state.items() if name.startswith("mtp.")}
     renamed = transformer_engine_names(state, bool(getattr(model.config, "multi_latent_attention", False)))
     for name, tensor in renamed.items():
+        if mcore_0_16_names:
+            name = re.sub(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.", r"\1.transformer_layer.", name)
         names, tensors = bridge._weight_to_hf_format(name, tensor)
         yield from zip(names, tensors)
 

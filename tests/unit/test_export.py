@@ -101,15 +101,10 @@ def test_values_are_mcore_tensors_read_as_the_hf_layer_reads_them_gqa_gated_and_
         fc1 = state[f"{t}.mlp.linear_fc1.weight"]
         ffn = fc1.shape[0] // 2
         assert torch.equal(out[p + "mlp.gate_proj.weight"], fc1[:ffn]) and torch.equal(out[p + "mlp.up_proj.weight"], fc1[ffn:])
-        same = {
-            "token_layernorm.weight": f"mtp.layers.{i}.enorm.weight",
-            "hidden_layernorm.weight": f"mtp.layers.{i}.hnorm.weight",
-            "final_layernorm.weight": f"mtp.layers.{i}.final_layernorm.weight",
-            "input_layernorm.weight": f"{t}.input_layernorm.weight",
-            "post_attention_layernorm.weight": f"{t}.pre_mlp_layernorm.weight",
-            "self_attn.o_proj.weight": f"{t}.self_attention.linear_proj.weight",
-            "mlp.down_proj.weight": f"{t}.mlp.linear_fc2.weight",
-        }
+        wrapper = {"token_layernorm": "enorm", "hidden_layernorm": "hnorm", "final_layernorm": "final_layernorm"}
+        inner = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm", "self_attn.o_proj": "self_attention.linear_proj", "mlp.down_proj": "mlp.linear_fc2"}
+        same = {f"{hf}.weight": f"mtp.layers.{i}.{mcore}.weight" for hf, mcore in wrapper.items()}
+        same.update({f"{hf}.weight": f"{t}.{mcore}.weight" for hf, mcore in inner.items()})
         for hf, mcore in same.items():
             assert torch.equal(out[p + hf], state[mcore]), hf
     assert len(out) == 2 * 16
@@ -267,33 +262,39 @@ def test_check_passes_a_correct_stream_and_counts_the_mtp_tensors() -> None:
     assert check_bridge_export(nudged, model, "mimo", atol=1e-3) == 2 * 16
 
 
-def test_check_names_mimo_input_halves_left_unswapped() -> None:
-    model = qwen_shape(1).build()
-    pairs = bridge_like(model, "mimo")
+def swapped_input_halves(model: torch.nn.Module, pairs: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """mbridge 0.15.1's MiMo export: ``eh_proj`` as ``input_proj``, halves unswapped."""
     eh = model.mtp.layers[0].eh_proj.weight.detach()
-    pairs = [(n, eh.clone() if n.endswith("input_proj.weight") else t) for n, t in pairs]
-    with pytest.raises(BridgeExportError) as raised:
-        check_bridge_export(pairs, model, "mimo")
-    assert (raised.value.kind, raised.value.name, raised.value.defect) == ("different", "model.mtp_layers.0.input_proj.weight", "swapped")
-    assert "cat(hidden, embedding)" in str(raised.value)
+    return [(n, eh.clone() if n.endswith("input_proj.weight") else t) for n, t in pairs]
 
 
-def test_check_names_an_mtp_layer_written_as_decoder_layer_61() -> None:
-    model = qwen_shape(1).build()
-    pairs = [(n.replace("model.layers.2.", "model.layers.61."), t) for n, t in bridge_like(model, "deepseek_v3")]
-    with pytest.raises(BridgeExportError) as raised:
-        check_bridge_export(pairs, model, "deepseek_v3")
-    assert (raised.value.kind, raised.value.name, raised.value.defect) == ("misnamed", "model.layers.2.enorm.weight", "61")
-    assert "under 'model.layers.61.enorm.weight'" in str(raised.value)
+def written_as_layer_61(model: torch.nn.Module, pairs: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """mbridge 0.15.1's DeepSeek-V3 mapping: the MTP layer at decoder layer 61, whatever L."""
+    return [(n.replace("model.layers.2.", "model.layers.61."), t) for n, t in pairs]
 
 
-def test_check_names_every_mtp_layer_written_under_the_first_ones_names() -> None:
-    model = qwen_shape(2).build()
+def every_layer_as_the_first(model: torch.nn.Module, pairs: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """mbridge 0.15.1's GLM-4.5 mapping: every MTP layer's wrapper tensors at model.layers.{L}."""
     wrapper = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-    pairs = [(n.replace("model.layers.3.", "model.layers.2.") if n.endswith(wrapper) else n, t) for n, t in bridge_like(model, "deepseek_v3")]
+    return [(n.replace("model.layers.3.", "model.layers.2.") if n.endswith(wrapper) else n, t) for n, t in pairs]
+
+
+@pytest.mark.parametrize(
+    "defect, layout, depth, expected",
+    [
+        (swapped_input_halves, "mimo", 1, ("different", "model.mtp_layers.0.input_proj.weight", "swapped", "cat(hidden, embedding)")),
+        (written_as_layer_61, "deepseek_v3", 1, ("misnamed", "model.layers.2.enorm.weight", "61", "under 'model.layers.61.enorm.weight'")),
+        (every_layer_as_the_first, "deepseek_v3", 2, ("repeated", "model.layers.2.enorm.weight", "same", "under the first MTP layer's names")),
+    ],
+    ids=["mimo_unswapped", "deepseek_61", "glm_same_names"],
+)
+def test_check_names_each_known_bridge_defect(defect: Any, layout: str, depth: int, expected: tuple[str, ...]) -> None:
+    model = qwen_shape(depth).build()
     with pytest.raises(BridgeExportError) as raised:
-        check_bridge_export(pairs, model, "deepseek_v3")
-    assert (raised.value.kind, raised.value.name, raised.value.defect) == ("repeated", "model.layers.2.enorm.weight", "same")
+        check_bridge_export(defect(model, bridge_like(model, layout)), model, layout)
+    kind, name, known, words = expected
+    assert (raised.value.kind, raised.value.name, raised.value.defect) == (kind, name, known)
+    assert words in str(raised.value)
 
 
 @pytest.mark.parametrize("fault, kind", [("drop", "missing"), ("add", "extra"), ("perturb", "different")])
