@@ -7,7 +7,7 @@ pairs; this package puts them into a running vLLM engine and proves they arrived
   ``W_UK`` / ``W_UV``, CPU GEMM packing) on its draft model, or ``model="target"``;
 * ``VLLMSync(llm).check(pairs)``: per-tensor checksums on each side, each on its tensor's device;
   ``StaleDraftError`` names the first tensor the engine does not hold;
-* ``start_vllm`` / ``generate_greedy``: an in-process engine with MTP speculative decoding and the
+* ``start_vllm`` / ``generate_greedy`` / ``stop_vllm``: an in-process engine with MTP speculative decoding and the
   acceptance it measures (T = 0);
 * ``tensor_checksum`` / ``checksums``: the checksum both sides use.
 
@@ -16,7 +16,7 @@ Importing this package imports no vLLM: ``vllm`` is imported by the calls that n
 
 from mtp_hooks.engine.checksums import checksums, tensor_checksum
 from mtp_hooks.engine.ledger import Write
-from mtp_hooks.engine.vllm_engine import CONFIGS, EngineAcceptance, SpecDecodeCounts, engine_environment, generate_greedy, spec_decode_counts, start_vllm
+from mtp_hooks.engine.vllm_engine import CONFIGS, EngineAcceptance, SpecDecodeCounts, engine_environment, generate_greedy, spec_decode_counts, start_vllm, stop_vllm
 from mtp_hooks.engine.vllm_sync import PushReport, VLLMSync
 from mtp_hooks.errors import StaleDraftError
 
@@ -33,5 +33,6 @@ __all__ = [
     "generate_greedy",
     "spec_decode_counts",
     "start_vllm",
+    "stop_vllm",
     "tensor_checksum",
 ]

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from mtp_hooks.errors import bad_argument
 
-__all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "spec_decode_counts", "start_vllm"]
+__all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "spec_decode_counts", "start_vllm", "stop_vllm"]
 
 CONFIGS = ("cpu", "gpu")
 
@@ -69,6 +69,35 @@ def start_vllm(model: str, num_speculative_tokens: int, *, config: str = "cpu", 
         distributed_executor_backend="uni",
         **settings,
     )
+
+
+def stop_vllm(llm: Any) -> None:
+    """Shut an in-process ``llm`` down, keeping this process's process group, and drop vLLM's
+    model-parallel groups so that the next engine builds its own (an engine for a MoE model needs an
+    expert-parallel group that one for a dense model did not build). One engine at a time.
+
+    vLLM's own shutdown (``EngineCore.shutdown``) ends with ``cleanup_dist_env_and_memory()``, which
+    destroys the default process group even when the trainer, not vLLM, created it (also when the
+    in-process ``LLM`` is garbage collected): this runs the same steps without that one.
+    """
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    if core is not None:  # in process (InprocClient), whose finalizer would run vLLM's shutdown on collection
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        core.structured_output_manager.clear_backend()
+        if core.model_executor:
+            core.model_executor.shutdown()
+        if core.scheduler:
+            core.scheduler.shutdown()
+        gc.unfreeze()  # EngineCore.__init__ froze what it allocated
+    destroy_model_parallel()
+    gc.collect()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ layers; no fake classes) next to which a hooked twin can be checked:
   inside ``moe_mla_on_cpu()``), ``TinyHybrid`` / ``TinyHybridMoE`` (megatron-core 0.18+);
 * ``kernels``: ``fused_wgrad_kernel_on_cpu()``, a CPU stand-in for Apex's fused wgrad kernel;
 * ``steps`` / ``twins``: batches, stock and hooked training steps, ``build_twins``, ``assert_same_grads``.
+* ``engine_models`` (import it by name): DeepSeek-V3, GLM-4.5 and MiMo models with a counting target
+  and drafts whose acceptance the weights predict, written as HF folders vLLM loads (``docs/engine.md``).
 
 Importing this package changes nothing in torch or megatron-core: every change is made by a context
 manager and undone on its exit. ``mtp_hooks`` itself needs none of it.

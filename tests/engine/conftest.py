@@ -7,7 +7,6 @@ imported or an engine that cannot start fails the tests, never skips them.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -34,26 +33,26 @@ def vllm_imported() -> None:
     import vllm  # noqa: F401
 
 
-def _stop(llm: Any) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def engines(vllm_imported: None) -> Iterator[Callable[..., Any]]:
-    """``engines(folder, k)``: an in-process engine on an HF folder, shut down at the module's end."""
-    from mtp_hooks.engine import start_vllm
+    """``engines(folder, k)``: an in-process engine on an HF folder. One at a time: starting one stops the
+    one before (vLLM's model-parallel groups are per process); the last stops at the module's end."""
+    from mtp_hooks.engine import start_vllm, stop_vllm
 
-    started: list[Any] = []
+    running: list[Any] = []
 
     def start(folder: Path, num_speculative_tokens: int = 1, **kwargs: Any) -> Any:
-        llm = start_vllm(str(folder), num_speculative_tokens, config=ENGINE_CONFIG, **kwargs)
-        started.append(llm)
-        return llm
+        while running:
+            stop_vllm(running.pop())
+        try:
+            running.append(start_vllm(str(folder), num_speculative_tokens, config=ENGINE_CONFIG, **kwargs))
+        except BaseException:
+            from vllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()  # what the failed start built: the next engine builds its own
+            raise
+        return running[-1]
 
     yield start
-    for llm in started:
-        _stop(llm)
-    started.clear()
+    while running:
+        stop_vllm(running.pop())

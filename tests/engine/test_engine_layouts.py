@@ -20,7 +20,7 @@ import torch
 
 from mtp_hooks.engine import VLLMSync, generate_greedy
 from mtp_hooks.export import mtp_hf_weights
-from tests.support import engine_models as em
+from mtp_hooks.testing import engine_models as em
 
 PROMPTS = em.counting_prompts(16)
 TOKENS = 64

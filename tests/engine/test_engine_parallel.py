@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtp_hooks.engine import VLLMSync, generate_greedy
-from tests.support import engine_models as em
+from mtp_hooks.testing import engine_models as em
 from tests.support.distributed import SpawnedGroup
 
 FAMILY = "deepseek_v3"

@@ -28,7 +28,7 @@ import mtp_hooks
 from mtp_hooks.engine import StaleDraftError, VLLMSync, generate_greedy, tensor_checksum
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import hooked_train_step, make_batch, moe_mla_on_cpu
-from tests.support import engine_models as em
+from mtp_hooks.testing import engine_models as em
 from tests.support import engine_pushes
 
 FAMILY = "deepseek_v3"

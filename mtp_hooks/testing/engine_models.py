@@ -1,6 +1,6 @@
 """mcore models whose draft acceptance is known from their weights, written as HF folders vLLM loads.
 
-Test-only support for ``tests/engine``. Three families, each as vLLM's ``method="mtp"`` resolves it,
+For the engine tests (``tests/engine``) and benchmarks (``make engine-sync-bench``). Three families, each as vLLM's ``method="mtp"`` resolves it,
 at the sizes vLLM's CPU kernels take (attention head sizes 32, 64, ...; MLA only with
 ``kv_lora_rank`` 512 and a RoPE head of 64):
 
@@ -30,16 +30,22 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+import torch.nn.functional as F
+
 from mtp_hooks.export.convert import hf_pairs
 from mtp_hooks.export.layouts import layout_named
-from mtp_hooks.testing import TinyDeepSeek, TinyQwen
-from tests.support.export_cases import DEEPSEEK_V3_STYLE
+from mtp_hooks.testing.deepseek import TinyDeepSeek
+from mtp_hooks.testing.gpt import TinyQwen
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
 LAYOUTS = {"deepseek_v3": "deepseek_v3", "glm4_moe": "deepseek_v3", "mimo": "mimo"}
 VOCAB, HIDDEN, LAYERS = 1024, 128, 2
 EPS = 1e-6  # RMSNorm epsilon on both sides
 
+# What DeepSeek-V3's (and GLM-4.5's) HF layer computes and TinyDeepSeek's defaults leave out.
+_DEEPSEEK_V3_STYLE: dict[str, Any] = dict(
+    gated_linear_unit=True, activation_func=F.silu, qk_layernorm=True, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True
+)
 _MLA = dict(q_lora_rank=None, kv_lora_rank=512, qk_head_dim=32, qk_pos_emb_head_dim=64, v_head_dim=32, layernorm_epsilon=EPS)
 
 
@@ -61,22 +67,23 @@ class TinyGlm(TinyDeepSeek):
         return TransformerConfig(**kwargs)
 
 
-def shape(family: str, mtp_num_layers: int = 1) -> Any:
-    """The mcore shape of ``family`` (build inside ``moe_mla_on_cpu()`` for the MoE families)."""
-    moe = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, mtp_num_layers=mtp_num_layers, max_sequence_length=512)
+def shape(family: str, mtp_num_layers: int = 1, *, hidden_size: int = HIDDEN, num_layers: int = LAYERS, vocab_size: int = VOCAB) -> Any:
+    """The mcore shape of ``family`` (build inside ``moe_mla_on_cpu()`` for the MoE families).
+    The counting weights need the default sizes; other sizes serve benchmarks with random weights."""
+    sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, mtp_num_layers=mtp_num_layers, max_sequence_length=512)
     if family == "deepseek_v3":
-        return TinyDeepSeek(num_attention_heads=2, config_overrides={**DEEPSEEK_V3_STYLE, **_MLA}, **moe)
+        return TinyDeepSeek(num_attention_heads=2, config_overrides={**_DEEPSEEK_V3_STYLE, **_MLA}, **sizes)
     if family == "glm4_moe":
-        return TinyGlm(num_attention_heads=4, config_overrides={**DEEPSEEK_V3_STYLE, "layernorm_epsilon": EPS}, **moe)
+        return TinyGlm(num_attention_heads=hidden_size // 32, config_overrides={**_DEEPSEEK_V3_STYLE, "layernorm_epsilon": EPS}, **sizes)
     if family == "mimo":
-        return TinyQwen(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, mtp_num_layers=mtp_num_layers, max_sequence_length=512, config_overrides={"layernorm_epsilon": EPS})
+        return TinyQwen(num_attention_heads=hidden_size // 32, num_query_groups=hidden_size // 64, config_overrides={"layernorm_epsilon": EPS}, **sizes)
     raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
 
 
-def hf_config(family: str, config: Any) -> dict[str, Any]:
+def hf_config(family: str, config: Any, vocab_size: int = VOCAB) -> dict[str, Any]:
     """``config.json`` of ``family`` for an mcore ``config`` (vLLM picks the model class by ``architectures``)."""
     common = dict(
-        vocab_size=VOCAB, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
         num_nextn_predict_layers=config.mtp_num_layers, rms_norm_eps=EPS, tie_word_embeddings=False, max_position_embeddings=1024,
         bos_token_id=0, eos_token_id=1, dtype="bfloat16", hidden_act="silu",
     )
@@ -152,19 +159,19 @@ def main_hf_pairs(model: torch.nn.Module, family: str) -> Iterator[tuple[str, Te
                 yield f"model.layers.{found.group(1)}." + hf_name.removeprefix(mtp_prefix), part
 
 
-def write_tokenizer(folder: Path) -> None:
+def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
     """A word-level tokenizer over ``<s>``, ``</s>``, ``t2`` .. ``t{V-1}`` (no hub access)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
+    vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t2"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="t2").save_pretrained(str(folder))
 
 
-def write_folder(folder: Path, family: str, config: Any, pairs: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]]) -> Path:
+def write_folder(folder: Path, family: str, config: Any, pairs: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]], vocab_size: int = VOCAB) -> Path:
     """An HF folder vLLM loads: ``config.json``, the tokenizer and ``pairs`` as ``model.safetensors``."""
     from safetensors.torch import save_file
 
@@ -175,8 +182,8 @@ def write_folder(folder: Path, family: str, config: Any, pairs: Sequence[tuple[s
         tensors[name] = tensor.detach().to(torch.bfloat16).contiguous().clone()  # the dtype config.json names
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config(family, config), indent=2))
-    write_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(hf_config(family, config, vocab_size), indent=2))
+    write_tokenizer(folder, vocab_size)
     return folder
 
 
@@ -238,4 +245,4 @@ def engine_folder(folder: Path, family: str, model: torch.nn.Module) -> Path:
     from mtp_hooks.export import mtp_hf_weights
 
     pairs = [*main_hf_pairs(model, family), *mtp_hf_weights(model, LAYOUTS[family])]
-    return write_folder(folder, family, model.config, pairs)
+    return write_folder(folder, family, model.config, pairs, model.vocab_size)
