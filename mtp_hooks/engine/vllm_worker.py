@@ -70,12 +70,21 @@ def _tensors(model: nn.Module) -> dict[str, Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class _Seen:
+    """One write as the recorder saw it: into ``view`` of ``owner`` (the parameter, as it was then)."""
+
     name: str
     parameter: str
-    parameter_shape: tuple[int, ...]
-    offset: int
+    owner: Optional[Tensor]
     view: Tensor
     loaded: Tensor  # 0-dim checksum on the engine's device
+
+    @property
+    def parameter_shape(self) -> tuple[int, ...]:
+        return tuple(self.owner.shape) if self.owner is not None else ()
+
+    @property
+    def offset(self) -> int:
+        return self.view.storage_offset() - (self.owner.storage_offset() if self.owner is not None else 0)
 
 
 class _WriteRecorder(TorchDispatchMode):
@@ -104,10 +113,8 @@ class _WriteRecorder(TorchDispatchMode):
         return self._owners.get(pointer, ("", None))
 
     def _record(self, name: str, view: Tensor) -> None:
-        parameter, tensor = self._owner(view)
-        shape = tuple(tensor.shape) if tensor is not None else ()
-        offset = view.storage_offset() - (tensor.storage_offset() if tensor is not None else 0)
-        self.seen.append(_Seen(name, parameter, shape, offset, view, tensor_checksum(view)))
+        parameter, owner = self._owner(view)
+        self.seen.append(_Seen(name, parameter, owner, view, tensor_checksum(view)))
 
 
 def _live_view(tensors: dict[str, Tensor], parameter: str, parameter_shape: tuple[int, ...], offset: int, shape: Sequence[int], stride: Sequence[int]) -> Optional[Tensor]:
