@@ -1,4 +1,5 @@
-"""The two exception types of ``mtp_hooks``: bad input, and calls the hooks' state refuses."""
+"""The exception types of ``mtp_hooks``: bad input, calls the hooks' state refuses, and a rollout engine
+whose draft is not the trainer's."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ class MTPHooksStateError(RuntimeError):
     hooks, hooks whose model is gone, a copy taken mid-forward.
 
     Messages name the call, then what was expected and what came, on separate lines.
+    """
+
+
+class StaleDraftError(MTPHooksError):
+    """Raised when the draft a rollout engine holds is not the one the trainer has (``mtp_hooks.engine``):
+    a tensor never pushed, a push skipped after an optimizer step, or an engine tensor changed since
+    the push.
+
+    Messages name the first tensor that differs, then the trainer's and the engine's checksums on
+    separate lines.
     """
 
 

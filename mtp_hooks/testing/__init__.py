@@ -17,6 +17,10 @@ layers; no fake classes) next to which a hooked twin can be checked:
   checks logits, MTP losses and every gradient in one call), batches (``make_batch``), the stock
   and hooked training steps (``stock_train_step``, ``hooked_train_step``) and the comparisons
   (``assert_same_grads``, ``assert_same_mtp_losses``).
+* ``speculative``: one speculative-sampling loop (``speculative_sampling``, ``Proposal``), shared by the
+  acceptance benchmark and the tests' engines;
+* ``engine_models`` (import it by name): DeepSeek-V3, GLM-4.5 and MiMo models with a counting target
+  and drafts whose acceptance the weights predict, written as HF folders vLLM loads (``docs/engine.md``).
 
 Importing this package changes nothing in torch or megatron-core: every change is made by a context
 manager and undone on its exit. ``mtp_hooks`` itself needs none of it.

@@ -146,14 +146,14 @@ _HF_CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str]]] = {
 }
 
 
-def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2) -> Any:
+def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2, sizes: Optional[dict[str, Any]] = None) -> Any:
     """transformers' config of ``family`` (one of ``FAMILIES``) with ``depth`` MTP layers (``None``: no MTP)
-    after ``num_layers`` decoder layers."""
+    after ``num_layers`` decoder layers; ``sizes`` replace the tiny sizes (e.g. the engine's kernel sizes)."""
     if family not in _HF_CONFIGS:
         raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
     class_name, settings, model_type = _HF_CONFIGS[family]
     extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    config = getattr(transformers, class_name)(vocab_size=vocab_size, **{**_EVERY_FAMILY, "num_hidden_layers": num_layers}, **settings, **extra)
+    config = getattr(transformers, class_name)(vocab_size=vocab_size, **{**_EVERY_FAMILY, **settings, "num_hidden_layers": num_layers, **extra, **(sizes or {})})
     if model_type is not None:
         config.model_type = model_type
     return config
@@ -191,9 +191,9 @@ def _field_default(config_class: type, name: str) -> Any:
     return {field.name: field.default for field in dataclasses.fields(config_class)}[name]
 
 
-def make_bridge(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2) -> Any:
+def make_bridge(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2, sizes: Optional[dict[str, Any]] = None) -> Any:
     """mbridge's bridge for ``family`` with the CPU overrides (the three workarounds applied)."""
-    config = hf_config(family, depth, vocab_size, num_layers)
+    config = hf_config(family, depth, vocab_size, num_layers, sizes)
     if family == "deepseek_v3":
         bridge = _deepseek_v3_bridge_class()(config, dtype=torch.float32)
     else:
@@ -258,16 +258,17 @@ class BridgeModel:
     mtp_num_layers: Optional[int] = 1
     vocab_size: int = 64
     num_layers: int = 2
+    sizes: dict[str, Any] = dataclasses.field(default_factory=dict)  # over the tiny sizes (hf_config)
 
     def bridge(self) -> Any:
-        return make_bridge(self.family, self.mtp_num_layers, self.vocab_size, self.num_layers)
+        return make_bridge(self.family, self.mtp_num_layers, self.vocab_size, self.num_layers, self.sizes)
 
     def config(self) -> Any:
         return self.bridge().config
 
     @property
     def tied(self) -> bool:
-        return bool(getattr(hf_config(self.family, self.mtp_num_layers, self.vocab_size), "tie_word_embeddings", False))
+        return bool(getattr(hf_config(self.family, self.mtp_num_layers, self.vocab_size, self.num_layers, self.sizes), "tie_word_embeddings", False))
 
     def without_mtp(self) -> "BridgeModel":
         return dataclasses.replace(self, mtp_num_layers=None)
