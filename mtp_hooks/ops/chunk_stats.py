@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mtp_hooks.ops.draft_rule import DraftRule
 from mtp_hooks.ops.objectives import GradInputs, Softmaxes, draft_statistics, tempered_exp_
-from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce, first_argmax_candidates, shard_targets
+from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce, first_argmax_candidates, group_max, shard_targets
 
 
 class ChunkStats:
@@ -42,7 +42,7 @@ class ChunkStats:
         if teacher_logits is not None:
             teacher_values, teacher_index = teacher_logits.max(dim=-1)
             row_maxima.append(teacher_values)
-        maxima = all_reduce(torch.stack(row_maxima), group, dist.ReduceOp.MAX)
+        maxima = group_max(torch.stack(row_maxima), group)  # a NaN row: +inf, so its argmax is a real id (NaN losses)
         row_max = maxima[0]
         # This shard's candidate for the first argmax (``first_argmax_candidates``): reduced with
         # MIN over the group here with a teacher, else once for all chunks by ``LeanMTPLoss``.
