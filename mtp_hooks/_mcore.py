@@ -118,21 +118,21 @@ def _fit_tracker(depth: int) -> None:
             tracker[key] = torch.cat([value, value.new_zeros(depth - value.shape[0])])
 
 
-def check_call_conventions(model: nn.Module, detach_encoder: bool) -> None:
+def check_call_conventions(model: nn.Module, layer_keywords: tuple[str, ...] = ()) -> None:
     """Refuse a release whose modules are called unlike the hooks expect, once at ``attach``.
 
     The hooks read and rewrite keyword arguments of three calls: the output layer's
     (``weight``, ``runtime_gather_output``, its input first), the MTP block's
-    (``packed_seq_params``) and, with ``detach_encoder``, the MTP layers' (``hidden_states``,
-    ``embedding``). A release that names them differently is refused here, not mid-forward.
+    (``packed_seq_params``) and the MTP layers' ``layer_keywords`` (what an option rewrites there).
+    A release that names them differently is refused here, not mid-forward.
     """
     expected: list[tuple[str, Any, tuple[str, ...]]] = []
     if getattr(model, "post_process", False):
         expected.append(("output layer", model.output_layer, ("weight", "runtime_gather_output")))
     if getattr(model, "mtp_process", False):
         expected.append(("MTP block", model.mtp, ("hidden_states", "packed_seq_params")))
-        if detach_encoder:
-            expected += [("MTP layer", layer, ("hidden_states", "embedding")) for layer in model.mtp.layers]
+        if layer_keywords:
+            expected += [("MTP layer", layer, layer_keywords) for layer in model.mtp.layers]
     for what, module, names in expected:
         parameters = inspect.signature(type(module).forward).parameters
         missing = [name for name in names if name not in parameters]

@@ -69,12 +69,11 @@ class ForwardHooks:
 
     def _forward_here(self) -> Optional[InFlight]:
         """The one guard of every submodule hook: the forward in flight on this thread, if any."""
-        forward: Optional[InFlight] = self.binding.flight.here()
-        return forward
+        return self.binding.flight.here()  # an InFlight: on_model_pre starts only those
 
     def install(self, model: nn.Module) -> list[Any]:
         options = self.options
-        _mcore.check_call_conventions(model, options.detach_encoder)
+        _mcore.check_call_conventions(model, detach.layer_keywords(options))
         chain.check_chain(model, options.draft_steps, options.draft_inputs, options.draft_layers)
         pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
         post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
@@ -269,7 +268,8 @@ class ForwardHooks:
             return (args, kwargs) if fwd.output_weight is not None else None
         head = Head.of(layer, weight, self.options.chunk_size, functools.partial(mtp_loss.own_head_call, layer, fwd.losses))
         if fwd.train:
-            hidden = mtp_loss.attach(self.options, fwd, fwd.losses, head, hidden, self.depth)
+            mtp_head = detach.mtp_head(self.options, fwd.model.config, head)
+            hidden = mtp_loss.attach(self.options, fwd, fwd.losses, mtp_head, hidden, self.depth)
             if fwd.scoring is None:  # log-probs drop this call's logits: nothing to undefer
                 deferral.undefer_main_call(fwd, fwd.main_call, layer, hidden)
         if fwd.scoring is not None:

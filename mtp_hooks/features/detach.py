@@ -5,7 +5,7 @@
   input with ``detach_between_depths``), so the MTP loss trains neither the decoder nor, through
   the MTP layers' input, the embedding (``on_layer_pre``);
 * ``detach_head`` (or a config whose release detaches the heads, ``_mcore.config_detaches_heads``):
-  the MTP heads multiply by a detached output weight (``heads_detached``);
+  the MTP heads multiply by a detached output weight (``mtp_head``);
 * ``check_wrappers``: the one pipeline case mcore's DDP cannot run with ``detach_encoder``, refused
   at ``attach``.
 """
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.head import Head
 from mtp_hooks.models import wrapper_chain
 from mtp_hooks.options import Options
 from mtp_hooks.runtime.forward import Forward
@@ -31,9 +32,15 @@ class DetachedEmbedding(ForwardOnlyProxy):
         return self.__wrapped__(*args, **kwargs).detach()
 
 
-def heads_detached(options: Options, config: Any) -> bool:
-    """Whether the MTP heads multiply by a detached output weight."""
-    return options.detach_head or _mcore.config_detaches_heads(config)
+def mtp_head(options: Options, config: Any, head: Head) -> Head:
+    """The output layer as the MTP heads use it: with a detached weight under ``detach_head`` (or a
+    config whose release detaches the heads), else ``head`` itself."""
+    return head.detached() if options.detach_head or _mcore.config_detaches_heads(config) else head
+
+
+def layer_keywords(options: Options) -> tuple[str, ...]:
+    """The MTP layers' keyword arguments ``on_layer_pre`` rewrites (checked against the release at ``attach``)."""
+    return ("hidden_states", "embedding") if options.detach_encoder else ()
 
 
 def on_layer_pre(forward: Forward, layer: nn.Module, kwargs: dict[str, Any], between_depths: bool) -> None:

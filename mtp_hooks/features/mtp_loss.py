@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from mtp_hooks import _mcore
 from mtp_hooks.checks import check_loss_scale
-from mtp_hooks.features import deferral, detach
+from mtp_hooks.features import deferral
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import DepthSums, MTPMetrics, chain_sums
 from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
@@ -57,7 +57,9 @@ def forward_scale(options: Options, targets: MicroBatch, arguments: Mapping[str,
 
 def attach(options: Options, forward: Forward, losses: Losses, head: Head, hidden: Tensor, depth: int) -> Tensor:
     """The main head's call of a training forward: hang the ``depth`` steps' losses on it; returns the
-    main chunk of ``hidden``, which carries them. ``head.call`` is ``own_head_call`` (dense path)."""
+    main chunk of ``hidden``, which carries them. ``head``: the output layer as the MTP heads use it
+    (its weight detached where they must not train it, ``detach.mtp_head``); ``head.call`` is
+    ``own_head_call`` (dense path)."""
     targets = forward.targets
     if targets is None:
         raise AssertionError("mtp_hooks: MTP losses asked for an inference forward")
@@ -66,8 +68,7 @@ def attach(options: Options, forward: Forward, losses: Losses, head: Head, hidde
     scale = options.mtp_loss_scale(model.config)
     if losses.scale is not None:  # this micro-batch's multiplier
         scale = scale * losses.scale
-    detached = detach.heads_detached(options, model.config)
-    main, losses.metrics, losses.path = attach_mtp_losses(options, model, head.detached() if detached else head, hidden, batch, scale)
+    main, losses.metrics, losses.path = attach_mtp_losses(options, model, head, hidden, batch, scale)
     losses.attached = True
     return main
 
