@@ -12,7 +12,7 @@ hooks; ``mtp_hooks.attach(..., output="logprobs")`` wires it to the model's fina
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,30 @@ class TokenLogProbs:
     it is: mcore's ``Float16Module`` upcasts the last stage's outputs with ``float16_to_fp32``,
     whose ``conversion_helper`` rebuilds every tuple (a NamedTuple too) as a plain one, and leaves
     other objects to a conversion that touches half-precision tensors only (these are fp32).
-    Unpacks like one: ``logprobs, entropy = out``.
+    Reads like the ``(logprobs, entropy)`` pair all the same: ``logprobs, entropy = out``,
+    ``out[0]``, ``out[1]``, ``len(out) == 2``.
     """
 
     logprobs: Tensor
     entropy: Optional[Tensor]
 
+    def _pair(self) -> tuple[Tensor, Optional[Tensor]]:
+        return (self.logprobs, self.entropy)
+
     def __iter__(self) -> Iterator[Optional[Tensor]]:
-        return iter((self.logprobs, self.entropy))
+        return iter(self._pair())
+
+    def __len__(self) -> int:
+        return 2
+
+    @overload
+    def __getitem__(self, index: int) -> Optional[Tensor]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Optional[Tensor], ...]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[Optional[Tensor], tuple[Optional[Tensor], ...]]:
+        return self._pair()[index]
 
 
 def _chunk_logits(space: Workspace, hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:

@@ -80,8 +80,8 @@ def test_stock_trains_mtp_on_a_labels_free_forward_and_the_hooks_do_not() -> Non
 
 @pytest.mark.skipif(
     not _mcore.PER_TOKEN_LOSS_RESCALED,
-    reason="process_mtp_loss is missing: this megatron-core divides by an unclamped token count (NaN, "
-    "pinned by test_side_by_side.py::test_depths_without_targets_contribute_nothing_where_stock_gives_nan)",
+    reason="this megatron-core has no process_mtp_loss and gives NaN here, not 0 (an unclamped token count; pinned by "
+    "test_side_by_side.py::test_depths_without_targets_contribute_nothing_where_stock_gives_nan)",
 )
 @pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per_token"])
 def test_depths_without_targets_match_stock_where_it_clamps(per_token: bool) -> None:

@@ -231,6 +231,7 @@ def test_logprobs_output_survives_mcores_wrappers(wrapper: str) -> None:
     assert isinstance(out, mtp_hooks.TokenLogProbs), type(out)
     logprobs, entropy = out  # unpacks as (logprobs, entropy)
     assert logprobs is out.logprobs and entropy is out.entropy and out.logprobs.dtype == torch.float32
+    assert len(out) == 2 and out[0] is out.logprobs and out[1] is out.entropy  # indexes as one too
     (out.logprobs * batch.loss_mask).sum().backward()
     with reference_hooks.micro_batch(batch.labels, batch.loss_mask):
         logits = reference(*batch.model_args)

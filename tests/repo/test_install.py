@@ -33,6 +33,16 @@ def _floors() -> dict[str, str]:
     return floors
 
 
+def _requirements(requirements: list[str]) -> dict[str, str]:
+    """``name>=floor`` entries of pyproject.toml, by lower-case name."""
+    parsed = {}
+    for requirement in requirements:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement.replace(" ", ""))
+        assert match, f"requirement without a plain >= floor: {requirement!r}"
+        parsed[match.group(1).lower()] = match.group(2)
+    return parsed
+
+
 def _same_release(floor: str, pin: str) -> bool:
     """``2.13`` names the same release as ``2.13.0``."""
     pad = lambda v: tuple(int(p) for p in v.split(".")) + (0,) * (3 - len(v.split(".")))  # noqa: E731
@@ -43,6 +53,34 @@ def test_torch_and_wrapt_floors_are_the_pinned_default_stack() -> None:
     floors, pins = _floors(), _pins(ROOT / "requirements" / "py311.txt")
     for name in ("torch", "wrapt"):
         assert _same_release(floors[name], pins[name]), (name, floors[name], pins[name])
+
+
+def test_extras_floors_are_releases_of_the_pinned_default_stack() -> None:
+    """``pytest>=9.2`` against ``pytest==9.2.0``: each extra's floor is the pinned release or a prefix of it."""
+    pins = _pins(ROOT / "requirements" / "py311.txt")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, requirements in extras.items():
+        for name, floor in _requirements(requirements).items():
+            if name in pins:
+                assert pins[name] == floor or pins[name].startswith(floor + "."), (extra, name, floor, pins[name])
+
+
+def test_test_extra_brings_every_pinned_package_the_suite_imports() -> None:
+    """After the README's install (``pip install -e ".[test]"``) no test skips or fails for a missing
+    package: each package of the pinned default stack that tests/ or the code they run (benchmarks/,
+    examples/) imports or looks for (``find_spec``, ``importorskip``) is a dependency or in ``[test]``."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    brought = {name.replace("-", "_") for name in set(_floors()) | set(_requirements(project["optional-dependencies"]["test"]))}
+    pinned = {name.replace("-", "_") for name in _pins(ROOT / "requirements" / "py311.txt")}
+    found = set()
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            found |= set(re.findall(r"^\s*(?:import|from)\s+([A-Za-z0-9_]+)", text, re.M))
+            found |= set(re.findall(r"""(?:find_spec|importorskip)\(\s*["']([A-Za-z0-9_]+)""", text))
+    assert {"pytest", "tokenizers", "matplotlib"} <= found, "the scan no longer finds imports it must find"
+    missing = sorted(name for name in found if name.lower() in pinned and name.lower() not in brought)
+    assert not missing, f"the suite imports {missing}, which requirements/py311.txt pins but neither the dependencies nor [test] bring"
 
 
 def test_megatron_core_floor_is_the_oldest_release_ci_runs() -> None:

@@ -44,7 +44,7 @@ try:
     import mbridge  # noqa: F401
 except ImportError as error:
     BRIDGES_MISSING: Optional[str] = (
-        f"mbridge / transformers not importable ({error}); install requirements/bridges.txt (make bridges-env)"
+        f"mbridge / transformers not importable ({error}); `make test-bridges` runs these with requirements/bridges.txt"
     )
 else:
     BRIDGES_MISSING = None

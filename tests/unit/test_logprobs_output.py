@@ -169,6 +169,25 @@ def test_double_backward_is_refused_or_correct() -> None:
     )
 
 
+@pytest.mark.parametrize("with_entropy", [True, False], ids=["entropy", "no_entropy"])
+def test_token_logprobs_index_and_unpack_like_the_pair_users_expect(with_entropy: bool) -> None:
+    """``out[0]`` is the log-probs, ``out[1]`` the entropy (``None`` unless asked), two entries, as the
+    ``(logprobs, entropy)`` tuple RL code indexes; still not a tuple (see the Float16Module test)."""
+    case = make_case(seed=25)
+    hidden, weight = case.leaves(torch.float32)
+    out = lean_logprobs(hidden, weight, case.labels, None, 4, 1.0, with_entropy)
+    assert not isinstance(out, tuple)
+    assert len(out) == 2
+    assert out[0] is out.logprobs and out[-2] is out.logprobs
+    assert out[1] is out.entropy and out[-1] is out.entropy and (out[1] is None) == (not with_entropy)
+    head, tail = out[:1], out[1:]
+    assert len(head) == len(tail) == 1 and head[0] is out.logprobs and tail[0] is out.entropy
+    logprobs, entropy = out
+    assert logprobs is out.logprobs and entropy is out.entropy
+    with pytest.raises(IndexError):
+        out[2]
+
+
 # ============================================================================ model level
 
 MODEL_VOCAB = 97

@@ -231,7 +231,7 @@ def test_sequence_longer_than_its_padded_slot_is_refused() -> None:
         mtp_hooks.mtp_targets(torch.zeros(1, 4, dtype=torch.long), None, 1, packed_seq_params=packed)
 
 
-@pytest.mark.skipif(_mcore.ROLLS_PACKED_SEQUENCES, reason="this megatron-core rolls packed sequences (0.16.1+)")
+@pytest.mark.skipif(_mcore.ROLLS_PACKED_SEQUENCES, reason="pins the refusal of megatron-core < 0.16.1; this megatron-core rolls packed sequences")
 def test_packed_sequences_are_refused_before_megatron_core_0_16_1() -> None:
     with pytest.raises(mtp_hooks.MTPHooksError, match="need megatron-core >= 0.16.1"):
         mtp_hooks.mtp_targets(torch.zeros(1, 4, dtype=torch.long), None, 1, packed_seq_params=packed_params([Slot(0, 4, 4)], False))
