@@ -47,11 +47,14 @@ def _view_class(cls: type, field: str) -> type:
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
         field: property(hidden, set_hidden),
-        # ``dataclasses.replace`` builds ``obj.__class__(...)``: the real class.
-        "__class__": property(lambda self: cls),
+        # ``dataclasses.replace`` builds ``obj.__class__(...)``: an instance of the real class. (Not a
+        # ``__class__`` property: ``torch.compile`` resolves attributes through ``__class__`` and would
+        # then read ``mtp_num_layers`` from the shared ``__dict__``, where stock's 0.17+ gate sees it.)
+        "__new__": staticmethod(lambda view_cls, *args, **kwargs: cls(*args, **kwargs)),
         "__copy__": lambda self: copy.copy(self._mtp_hooks_real),
         "__deepcopy__": lambda self, memo: copy.deepcopy(self._mtp_hooks_real, memo),
-        "__reduce_ex__": lambda self, protocol: self._mtp_hooks_real.__reduce_ex__(protocol),
+        # Pickled as the real config (unpickled through ``copy.copy``, so without this module).
+        "__reduce_ex__": lambda self, protocol: (copy.copy, (self._mtp_hooks_real,)),
     }
     view = type(cls.__name__, (cls,), namespace)
     _VIEW_CLASSES[(cls, field)] = view
