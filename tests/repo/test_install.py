@@ -121,3 +121,24 @@ def test_ci_runs_every_readme_command() -> None:
     for command in commands:
         assert re.search(rf"^[^#]*{command}\b", ci, re.M), f"{command} is in the README's Commands table but .ci/run does not run it"
     assert 'BENCH_ARGS="--quick' in ci and 'ACCEPTANCE_ARGS="--quick' in ci
+
+
+def test_readme_install_ends_with_the_test_command_and_its_skips_add_up() -> None:
+    """The Install block's last command runs the suite as ``make test`` does, and the counts the README says
+    it prints are consistent: the skips it accounts for add up to the skipped count it quotes."""
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    block = install.split("```bash", 1)[1].split("```", 1)[0]
+    last = [line.split("#")[0].strip() for line in block.strip().splitlines()][-1]
+    assert last == "python -m pytest -q", last
+    make_test = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "-m pytest -q" in make_test, make_test
+    text = " ".join(install.split())
+    counts = re.search(r"`(\d+) passed, (\d+) skipped, (\d+) xfailed`", text)
+    assert counts, "the README quotes no counts of the test command"
+    skipped = int(counts.group(2))
+    own_env = [int(n) for n in re.findall(r"\((\d+), `make test-[a-z-]+`\)", text)]
+    others = re.search(r"Every skip prints its reason: (\d+) of them run in environments of their own", text)
+    releases = re.search(r"(\d+) test what other megatron-core releases have", text)
+    assert others and releases and len(own_env) == 4, text
+    assert sum(own_env) == int(others.group(1)), (own_env, others.group(1))
+    assert int(others.group(1)) + int(releases.group(1)) + 1 == skipped  # + the one needing a CUDA device
