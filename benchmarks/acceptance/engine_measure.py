@@ -119,6 +119,7 @@ def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: b
         "wall_s_plain": wall_plain,
         "drafts": drafts,
         "predicted_drafts": predicted.drafts,
+        "trainer_target_agreement": predicted.target_agreement,
         "spec_equals_plain": same,
     }
 

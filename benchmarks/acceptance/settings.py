@@ -104,6 +104,9 @@ SETTINGS["code"]["chain"] = dataclasses.replace(_CODE, mtp=1, chain=3, temperatu
 SETTINGS["code"]["engine-quick"] = dataclasses.replace(_CODE, family="mimo", chain=3, temperatures=(1.0,), variants=ENGINE_VARIANTS, rl_lr=3e-4)
 SETTINGS["code"]["engine"] = dataclasses.replace(SETTINGS["code"]["engine-quick"], seq=48, sft_min_steps=300, sft_max_steps=600, sft_window=100,
                                                  rl_steps=24, eval_every=8, eval_rollouts=32)
+# The engine test's (tests/engine/test_engine_acceptance_bench.py): seconds of training, four engine starts.
+SETTINGS["code"]["engine-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], family="mimo", hidden=64, chain=3, temperatures=(1.0,),
+                                                       variants=("frozen", "ce", "accept+chain"), seq=20, eval_rollouts=4)
 SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 

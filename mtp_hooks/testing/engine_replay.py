@@ -38,6 +38,9 @@ class Replay:
 
     drafts: int
     accepted_per_position: tuple[int, ...]
+    # Share of the generated tokens the trainer's main head also picks (its argmax after the token before):
+    # below 1, the trainer's target is not the engine's, and neither are the hidden states the drafts start from.
+    target_agreement: float = float("nan")
 
     @property
     def per_position(self) -> tuple[float, ...]:
@@ -52,10 +55,11 @@ def _positions(tokens: Tensor) -> Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
 
 
-def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int) -> Tensor:
+def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int) -> tuple[Tensor, float]:
     """``[k, b, s]`` bool: step j's draft at position t equals ``sequences[:, t + j + 1]`` (False where
-    that is past the end). One training-style forward (grad enabled so the MTP block runs, never
-    backpropagated) under ``hooks``, whose ``draft_steps`` is k; ``prompt`` tokens are not scored."""
+    that is past the end), and the share of the tokens after the prompt that the main head's argmax
+    picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
+    ``hooks``, whose ``draft_steps`` is k; ``prompt`` tokens are not scored."""
     options = hooks.options
     layers = list(model.mtp.layers)
     steps = options.draft_steps or model.config.mtp_num_layers
@@ -73,7 +77,7 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
     handles = [layer.register_forward_hook(keep) for layer in layers]
     try:
         with torch.enable_grad(), hooks.micro_batch(labels=labels, loss_mask=mask):
-            model(ids, _positions(ids), None)
+            logits = model(ids, _positions(ids), None)
     finally:
         for handle in handles:
             handle.remove()
@@ -92,10 +96,11 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
         reported = metrics.get(f"mtp_{j}/acc")
         if reported is not None and abs(reported - share) > 1e-6:
             raise AssertionError(f"step {j}: drafts equal to the engine's tokens {share:.6f}, the hooks' mtp_{j}/acc {reported:.6f}")
-    return hits
+    picked = logits.detach()[:, prompt - 1 : -1].argmax(-1).cpu()
+    return hits, float((picked == sequences[:, prompt:]).float().mean())
 
 
-def replay(hits: Tensor, prompt: int, max_tokens: int) -> Replay:
+def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float = float("nan")) -> Replay:
     """The engine's greedy verification steps over ``hits`` (``draft_hits``): per row the prefill
     gives the first token; while fewer than ``max_tokens`` are out, one step drafts k after the last
     token, keeps the leading hits and emits them plus the target's token."""
@@ -110,7 +115,7 @@ def replay(hits: Tensor, prompt: int, max_tokens: int) -> Replay:
                 accepted[kept] += 1
                 kept += 1
             last, produced = last + 1 + kept, produced + 1 + kept
-    return Replay(drafts, tuple(accepted))
+    return Replay(drafts, tuple(accepted), target_agreement)
 
 
 def predict_engine_acceptance(
@@ -128,4 +133,5 @@ def predict_engine_acceptance(
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
     sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
     prompt = lengths.pop()
-    return replay(draft_hits(model, hooks, sequences, prompt), prompt, max_tokens)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt)
+    return replay(hits, prompt, max_tokens, agreement)
