@@ -60,7 +60,6 @@ def test_replay_walks_the_engines_steps_over_the_hits() -> None:
 
 
 def test_variants_train_under_the_engines_rule_and_schedule() -> None:
-    assert engine_options("accept", 3) | {} == engine_options("accept", 3)
     assert engine_options("accept", 3)["accept_rule"] == "argmax" and engine_options("accept", 3)["draft_temperature"] == 0.0
     chain = engine_options("ce+chain", 3)
     assert (chain["draft_steps"], chain["draft_inputs"], chain["draft_layers"]) == (3, "argmax", "first")
