@@ -21,6 +21,7 @@ from benchmarks.acceptance.figures import fmt, spread
 from benchmarks.acceptance.plots import has_data, save, style, pyplot
 
 GOAL = 0.03
+STEP1_BOUND = 0.05
 FIELDS = ("engine_accept_len", "predicted_accept_len", "accepted_per_target_forward", "wall_s_spec", "wall_s_plain")
 
 
@@ -46,6 +47,20 @@ def gaps(result: dict[str, Any]) -> dict[int, float]:
     return {j: sum(v) / len(v) for j, v in sorted(out.items())}
 
 
+def step1_gap(result: dict[str, Any]) -> float:
+    """Mean |predicted - engine| at k = 1, where the trainer and the engine compute the same draft step."""
+    gaps1 = [abs(p - e) for r in result["runs"] for per_k in r["variants"].values()
+             for p, e in zip(per_k["k1"]["predicted_accept_1"], per_k["k1"]["engine_accept_1"])]
+    return sum(gaps1) / len(gaps1)
+
+
+def sound(found: dict[str, Any]) -> bool:
+    """Whether the measurement itself holds (the exit status of ``--engine``): the speculative output is the
+    plain one (T = 0 is lossless) and at k = 1 the prediction is within ``STEP1_BOUND`` of the engine on
+    average. Otherwise the engine, the push or the export is broken; that is not a finding about training."""
+    return bool(found["lossless"]) and found["step1_gap"] <= STEP1_BOUND
+
+
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
     """The verdict's numbers and sentences (module docstring); ``prediction_ok`` and ``trained_above_frozen`` decide."""
     runs, k = result["runs"], steps_of(result)
@@ -67,7 +82,7 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
         chains.append({"variant": name, "against": base, "k": k, "accept_len_delta": length, "seeds_raised": raised, "per_position_delta": delta,
                        "sentence": _chain_sentence(name, base, k, length, raised, len(runs), delta)})
     return {"trained_above_frozen": above, "seeds": len(runs), "prediction_gap": gap, "prediction_ok": all(g <= GOAL for g in gap.values()),
-            "lossless": lossless, "chains": chains}
+            "step1_gap": step1_gap(result), "lossless": lossless, "chains": chains}
 
 
 def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, seeds: int, delta: dict[int, float]) -> str:
@@ -99,6 +114,7 @@ def markdown(result: dict[str, Any]) -> str:
         out.append(f"- `{name}` above `frozen` at every k in {count}/{v['seeds']} seeds.")
     gap = ", ".join(f"position {j}: {g:.4f}" for j, g in v["prediction_gap"].items())
     out.append(f"- Mean |predicted - engine| per position: {gap} (goal <= {GOAL}: {'met' if v['prediction_ok'] else 'NOT met'}).")
+    out.append(f"- At k = 1 (the same draft step on both sides): mean |predicted - engine| {v['step1_gap']:.4f} (bound {STEP1_BOUND}).")
     out.append(f"- Speculative output equal to the plain engine's (lossless at T = 0): {'yes' if v['lossless'] else 'NO'}.")
     out += [f"- {chain['sentence']}" for chain in v["chains"]]
     return "\n".join(out) + "\n"

@@ -90,6 +90,9 @@ def _engine(setting: Setting, seeds: tuple[int, ...], args: argparse.Namespace, 
     engine_report.write_outputs(result, out)
     print(engine_report.markdown(result))
     print(f"written: {out}/acceptance.json, acceptance.md and acceptance-engine.png ({result['wall_seconds']:.0f} s)")
+    if not engine_report.sound(engine_report.verdict(result)):
+        print("the measurement does not hold: speculative output differs from the plain one, or the k = 1 prediction is off (acceptance.md)")
+        return 1
     return 0
 
 

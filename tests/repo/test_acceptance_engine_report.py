@@ -97,5 +97,13 @@ def test_verdict_fails_when_the_numbers_say_so() -> None:
 def test_a_speculative_output_unlike_the_plain_one_is_reported() -> None:
     result = _result(GOOD)
     result["runs"][0]["variants"]["ce"]["k2"]["spec_equals_plain"][-1] = False
-    assert not engine_report.verdict(result)["lossless"]
+    found = engine_report.verdict(result)
+    assert not found["lossless"] and not engine_report.sound(found)
     assert "lossless at T = 0): NO" in engine_report.markdown(result)
+
+
+def test_a_step1_prediction_off_the_engine_makes_the_measurement_unsound() -> None:
+    assert engine_report.sound(engine_report.verdict(_result(GOOD)))
+    off = {**GOOD, "ce": ([0.8, 0.5], [0.3, 0.5])}  # k = 1: 0.5 off at the last step
+    found = engine_report.verdict(_result(off))
+    assert found["step1_gap"] > engine_report.STEP1_BOUND and not engine_report.sound(found)
