@@ -13,7 +13,9 @@ the last one started):
 * the trainer predicts that acceptance from the variant's weights on the engine's own tokens, with
   the hooks under the engine's rule and schedule (``attach(draft_steps=k, draft_inputs="argmax",
   accept_rule="argmax", draft_layers="first")``: vLLM 0.32 runs MTP layer 1 for every step), by
-  ``mtp_hooks.testing.engine_replay``.
+  ``mtp_hooks.testing.engine_replay``, with the hidden state vLLM's MiMo drafter reads (the target's
+  before the final norm, ``predicted_accept_j``) and with the one mcore trains the MTP layers on (after
+  it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew.
 
 The checkpoint vLLM starts from is written in float32 (the engine computes in float32), so at T = 0
 the engine and the fp32 trainer pick the same argmax. It declares one MTP layer, the trainer's layer
@@ -43,6 +45,8 @@ from mtp_hooks.testing.engine_replay import predict_engine_acceptance
 FAMILY, LAYOUT = "mimo", "mimo"
 # vLLM 0.32's schedule and rule at T = 0: what the trainer predicts with.
 ENGINE_RULE: dict[str, Any] = dict(draft_inputs="argmax", accept_rule="argmax", draft_layers="first", agreement_metrics=True)
+# vLLM's MiMo drafter reads the target's hidden state before the final norm; mcore trains on it after the norm.
+ENGINE_MTP_INPUT = "pre_final_norm"
 
 
 @dataclasses.dataclass
@@ -97,21 +101,26 @@ def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: in
     return truth, seconds
 
 
-def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> Any:
+def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> tuple[Any, Any]:
+    """The prediction with the hidden state vLLM's MiMo drafter reads (before the final norm), and with the one
+    mcore feeds the MTP layers and the hooks train on (after it): their difference is the layout's skew."""
     hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
     try:
-        return predict_engine_acceptance(model, hooks, prompts, truth, tokens)
+        return (predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT),
+                predict_engine_acceptance(model, hooks, prompts, truth, tokens, "decoder_output"))
     finally:
         hooks.remove()
 
 
-def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool) -> dict[str, Any]:
-    """One (variant, k, step) measurement under the record's fixed names."""
+def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, as_trained: Any = None) -> dict[str, Any]:
+    """One (variant, k, step) measurement under the record's fixed names (``as_trained``: the prediction with
+    the MTP input mcore trains on, ``predicted_as_trained_accept_j``)."""
     engine = measured.per_position or (0.0,) * k
     drafts = measured.counts.drafts
     return {
         **{f"engine_accept_{j}": engine[j - 1] for j in range(1, k + 1)},
         **{f"predicted_accept_{j}": predicted.per_position[j - 1] for j in range(1, k + 1)},
+        **({f"predicted_as_trained_accept_{j}": as_trained.per_position[j - 1] for j in range(1, k + 1)} if as_trained is not None else {}),
         "engine_accept_len": measured.mean_length,
         "predicted_accept_len": predicted.mean_length,
         "accepted_per_target_forward": measured.counts.accepted / drafts if drafts else float("nan"),
@@ -149,9 +158,9 @@ def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Call
                     model.load_state_dict(snap.states[name])
                     _push(sync, model, main=False)
                     measured = generate_greedy(llm, prompts, tokens)
-                    predicted = _predict(model, k, prompts, full, tokens)
+                    predicted, as_trained = _predict(model, k, prompts, full, tokens)
                     same = measured.token_ids == tuple(t[:tokens] for t in full)
-                    row = record_row(k, measured, predicted, plain, same)
+                    row = record_row(k, measured, predicted, plain, same, as_trained)
                     for field, value in row.items():
                         variants[name].setdefault(f"k{k}", {}).setdefault(field, []).append(value)
                 log(f"  engine k = {k}, step {snap.step:>3}: accept length " + ", ".join(

@@ -15,6 +15,12 @@ same call predicts vLLM 0.32 (``"first"``) or SGLang (``"per_step"``). The hooks
 the indicators to them: ``mtp_j/acc`` (the masked share of step j's drafts equal to the labels,
 here the engine's tokens) must equal the indicators' mean, or ``AssertionError``.
 Unsharded models (tensor parallelism 1) on one device; prompts of equal length.
+
+``mtp_input``: what the first MTP layer reads as the main model's hidden state. mcore feeds it the decoder's
+output, after the final norm (``"decoder_output"``), and vLLM's DeepSeek-V3 and GLM-4.5 drafters read the same;
+vLLM's MiMo drafter (``mimo_mtp``) reads the target's hidden state before the final norm
+(``"pre_final_norm"``: the norm's input, swapped in for this forward by a pre-hook on the MTP block). The
+two agree only while the final norm's weight is uniform.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from torch import Tensor, nn
 import mtp_hooks
 from mtp_hooks.features.chain import Plan
 
-__all__ = ["Replay", "draft_hits", "predict_engine_acceptance", "replay"]
+__all__ = ["MTP_INPUTS", "Replay", "draft_hits", "predict_engine_acceptance", "replay"]
+
+MTP_INPUTS = ("decoder_output", "pre_final_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +63,7 @@ def _positions(tokens: Tensor) -> Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
 
 
-def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int) -> tuple[Tensor, float]:
+def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int, mtp_input: str = "decoder_output") -> tuple[Tensor, float]:
     """``[k, b, s]`` bool: step j's draft at position t equals ``sequences[:, t + j + 1]`` (False where
     that is past the end), and the share of the tokens after the prompt that the main head's argmax
     picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
@@ -74,7 +82,21 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
     labels = torch.roll(ids, -1, 1)
     mask = torch.zeros(ids.shape, dtype=torch.float32, device=device)
     mask[:, prompt - 1 : -1] = 1.0
+    if mtp_input not in MTP_INPUTS:
+        raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
+    before_norm: list[Tensor] = []
+
+    def keep_norm_input(module: nn.Module, args: tuple[Any, ...]) -> None:
+        before_norm.append(args[0])
+
+    def feed_before_norm(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs["hidden_states"] = before_norm[-1]
+        return args, kwargs
+
     handles = [layer.register_forward_hook(keep) for layer in layers]
+    if mtp_input == "pre_final_norm":
+        handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
+        handles.append(model.mtp.register_forward_pre_hook(feed_before_norm, with_kwargs=True))
     try:
         with torch.enable_grad(), hooks.micro_batch(labels=labels, loss_mask=mask):
             logits = model(ids, _positions(ids), None)
@@ -119,12 +141,14 @@ def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float =
 
 
 def predict_engine_acceptance(
-    model: nn.Module, hooks: mtp_hooks.MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]], max_tokens: int
+    model: nn.Module, hooks: mtp_hooks.MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]], max_tokens: int,
+    mtp_input: str = "decoder_output",
 ) -> Replay:
     """The per-position acceptance a T = 0 engine drafting ``hooks.options.draft_steps`` tokens measures
     when it generates ``max_tokens`` tokens per prompt. ``token_ids``: the engine's generated tokens, at
     least ``max_tokens`` per prompt and ideally k more (the greedy continuation past the end, e.g.
-    from a plain run), so the last steps' drafts have tokens to be compared with."""
+    from a plain run), so the last steps' drafts have tokens to be compared with. ``mtp_input``: the module
+    docstring's (``"pre_final_norm"`` for vLLM's MiMo drafter)."""
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"prompts: expected one length, received {sorted(lengths)}")
@@ -133,5 +157,5 @@ def predict_engine_acceptance(
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
     sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
     prompt = lengths.pop()
-    hits, agreement = draft_hits(model, hooks, sequences, prompt)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input)
     return replay(hits, prompt, max_tokens, agreement)
