@@ -19,7 +19,7 @@ Unsharded models (tensor parallelism 1) on one device; prompts of equal length.
 ``mtp_input``: what the first MTP layer reads as the main model's hidden state. mcore feeds it the decoder's
 output, after the final norm (``"decoder_output"``), and vLLM's DeepSeek-V3 and GLM-4.5 drafters read the same;
 vLLM's MiMo drafter (``mimo_mtp``) reads the target's hidden state before the final norm
-(``"pre_final_norm"``: the norm's input, swapped in for this forward by a pre-hook on the MTP block). The
+(``"pre_final_norm"``: the norm's input, swapped in for the block's call of MTP layer 1 by a pre-hook). The
 two agree only while the final norm's weight is uniform.
 """
 
@@ -89,14 +89,20 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
     def keep_norm_input(module: nn.Module, args: tuple[Any, ...]) -> None:
         before_norm.append(args[0])
 
+    first_calls: list[int] = []
+
     def feed_before_norm(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs["hidden_states"] = before_norm[-1]
+        """The block's call of MTP layer 1 only (not the chain's later calls of it, fed the step before), after
+        the hooks' own pre-hooks recorded the block's arguments: the main head still reads the norm's output."""
+        if not first_calls:
+            first_calls.append(1)
+            kwargs["hidden_states"] = before_norm[-1]
         return args, kwargs
 
     handles = [layer.register_forward_hook(keep) for layer in layers]
     if mtp_input == "pre_final_norm":
         handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
-        handles.append(model.mtp.register_forward_pre_hook(feed_before_norm, with_kwargs=True))
+        handles.append(layers[0].register_forward_pre_hook(feed_before_norm, with_kwargs=True))
     try:
         with torch.enable_grad(), hooks.micro_batch(labels=labels, loss_mask=mask):
             logits = model(ids, _positions(ids), None)

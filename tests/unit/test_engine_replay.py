@@ -22,13 +22,13 @@ def _inputs(model: nn.Module, mtp_input: str) -> tuple[torch.Tensor, torch.Tenso
     """(what MTP layer 1 received as hidden state, the final norm's input, its output) in one draft_hits forward."""
     seen: dict[str, torch.Tensor] = {}
 
-    def layer_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.setdefault("layer", kwargs["hidden_states"].detach().clone())
+    def layer_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        seen.setdefault("layer", kwargs["hidden_states"].detach().clone())  # as the layer ran: after every pre-hook
 
     def norm(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         seen["before"], seen["after"] = args[0].detach().clone(), output.detach().clone()
 
-    handles = [model.mtp.layers[0].register_forward_pre_hook(layer_input, with_kwargs=True), model.decoder.final_layernorm.register_forward_hook(norm)]
+    handles = [model.mtp.layers[0].register_forward_hook(layer_input, with_kwargs=True), model.decoder.final_layernorm.register_forward_hook(norm)]
     hooks = mtp_hooks.attach(model, draft_steps=2, **RULE)
     try:
         draft_hits(model, hooks, torch.randint(2, em.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0)), prompt=4, mtp_input=mtp_input)
@@ -49,6 +49,25 @@ def test_pre_final_norm_feeds_the_mtp_layer_the_norms_input_and_the_default_its_
     assert torch.equal(received, after)
     with pytest.raises(ValueError, match="mtp_input"):
         _inputs(model, "after")
+
+
+def test_pre_final_norm_leaves_the_main_head_on_the_norms_output() -> None:
+    """On the model's own greedy continuation, under a final-norm weight far from uniform, the main head picks
+    every token in both modes: only MTP layer 1's input changes."""
+    model = em.shape("mimo", 2).build(seed=3)
+    with torch.no_grad():
+        model.decoder.final_layernorm.weight.uniform_(0.0, 4.0, generator=torch.Generator().manual_seed(1))
+    sequences = torch.randint(2, em.VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    hooks = mtp_hooks.attach(model, draft_steps=2, **RULE)
+    try:
+        with torch.no_grad():  # inference forwards: the MTP block does not run
+            while sequences.shape[1] < 12:
+                picked = model(sequences, torch.arange(sequences.shape[1]).expand_as(sequences).contiguous(), None)[:, -1].argmax(-1)
+                sequences = torch.cat([sequences, picked[:, None]], dim=1)
+        agreements = [draft_hits(model, hooks, sequences, prompt=4, mtp_input=m)[1] for m in ("decoder_output", "pre_final_norm")]
+    finally:
+        hooks.remove()
+    assert agreements == [1.0, 1.0]
 
 
 def test_copy_draft_hits_every_counting_step_at_step_1() -> None:
