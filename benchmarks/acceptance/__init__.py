@@ -39,6 +39,9 @@ Modules, from the command down: ``run`` (the command line and outputs), ``experi
 seed and temperature), ``arms`` (a variant's model, hooks and optimizers; one GRPO step), ``evaluate``
 (a variant's held-out draft quality), ``pretrain``, ``drafts`` (the N depths as the draft), ``chain``
 (the k-step chain as the draft), ``task`` / ``code_task`` (the texts), ``settings``; ``report``,
-``chain_report``, ``plots`` and ``figures`` write the record. The speculative sampling loop is
+``chain_report``, ``plots`` and ``figures`` write the record. ``--engine vllm`` (``make acceptance-engine``):
+``engine_run`` (the RL run on a MiMo-shaped model, variants trained for a greedy vLLM 0.32 engine, snapshots),
+``engine_measure`` (every snapshot's variants pushed into vLLM for k = 1..3 and measured, next to the trainer's
+prediction on the engine's tokens), ``engine_report`` (table, verdict, plot). The speculative sampling loop is
 ``mtp_hooks.testing.speculative``'s, the model builder the cost benchmark's (``benchmarks.models``).
 """

@@ -7,16 +7,15 @@ from the same rollouts (``assert_same_policy`` checks it after every step) and o
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 import mtp_hooks
-from benchmarks import models
 from benchmarks.acceptance.chain import training_options
 from benchmarks.acceptance.drafts import DraftCapture, device_of, positions
-from benchmarks.acceptance.settings import Setting, config, shape_of
+from benchmarks.acceptance.settings import Setting, build_model
 from benchmarks.acceptance.task import next_token_targets, policy_gradient_loss
 
 
@@ -45,11 +44,12 @@ class Arm:
     mtp_opt: Optional[torch.optim.Optimizer]  # None: the frozen draft
 
 
-def make_arm(name: str, state: dict[str, Tensor], setting: Setting, temperature: float) -> Arm:
-    """The variant ``name`` on a fresh model loaded with the pretrained ``state``."""
-    model = models.build(config(setting), shape_of(setting), setting.mtp)
+def make_arm(name: str, state: dict[str, Tensor], setting: Setting, temperature: float, options: Optional[dict[str, Any]] = None) -> Arm:
+    """The variant ``name`` on a fresh model loaded with the pretrained ``state``, its hooks attached with
+    ``options`` (default: ``training_options`` of the name)."""
+    model = build_model(setting)
     model.load_state_dict(state)
-    hooks = mtp_hooks.attach(model, **training_options(name, temperature, setting.chain))
+    hooks = mtp_hooks.attach(model, **(training_options(name, temperature, setting.chain) if options is None else options))
     mtp_opt = None if name == "frozen" else torch.optim.Adam(mtp_parameters(model), lr=setting.mtp_lr)
     capture = None if setting.chain else DraftCapture(model)
     return Arm(name, model, hooks, capture, torch.optim.Adam(main_parameters(model), lr=setting.rl_lr), mtp_opt)

@@ -24,13 +24,12 @@ from torch import Tensor  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  # noqa: E402
 
 import mtp_hooks  # noqa: E402
-from benchmarks import models  # noqa: E402
 from benchmarks.acceptance import report  # noqa: E402
 from benchmarks.acceptance.arms import assert_same_policy, make_arm, mtp_parameters, release, rl_step  # noqa: E402
 from benchmarks.acceptance.code_task import CodeTask  # noqa: E402
 from benchmarks.acceptance.evaluate import evaluator  # noqa: E402
 from benchmarks.acceptance.pretrain import forward, pretrained  # noqa: E402
-from benchmarks.acceptance.settings import Setting, config, shape_of  # noqa: E402
+from benchmarks.acceptance.settings import Setting, build_model  # noqa: E402
 from benchmarks.acceptance.task import WordTask, group_advantages, next_token_targets, sample_rollouts  # noqa: E402
 
 CACHE = Path("bench-out/acceptance-cache")
@@ -55,7 +54,7 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
     started = time.perf_counter()
     state, sft = pretrained(task, setting, cache, log)
     arms = [make_arm(name, state, setting, temperature) for name in setting.variants]
-    reference = models.build(config(setting), shape_of(setting), setting.mtp)
+    reference = build_model(setting)
     reference.load_state_dict(state)
     ref_hooks = mtp_hooks.attach(reference)  # forwards without labels: MTP off
     frozen_mtp = [p.detach().clone() for p in mtp_parameters(arms[0].model)]

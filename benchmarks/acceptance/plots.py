@@ -38,7 +38,7 @@ def has_data(values: list[float]) -> bool:
     return any(v == v for v in values)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """matplotlib's pyplot on the file-only backend (imported here: reading a record needs no matplotlib)."""
     import matplotlib
 
@@ -64,7 +64,7 @@ def _key(**line: Any) -> Any:
 def save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot(result: dict[str, Any], path: Path, title: str = "") -> None:
@@ -78,7 +78,7 @@ def plot_chain(result: dict[str, Any], path: Path, title: str = "") -> None:
 def acceptance_figure(result: dict[str, Any], title: str = "") -> Any:
     """Mean expected acceptance per variant (colour and marker) and depth (line style) over the seeds,
     with the seeds' min–max band at depth 1; beside it the policy's reward, measures and KL."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = result["summary"]
     steps, names = summary["steps"], list(summary["variants"])
     depths = sorted(int(key.split("_")[1]) for key in summary["variants"][names[0]] if key.startswith("accept_") and key[7:].isdigit())
@@ -134,7 +134,7 @@ def _policy(ax: Any, summary: dict[str, Any], steps: list[int]) -> None:
 def chain_figure(result: dict[str, Any], title: str = "") -> Any:
     """Realised (solid, min–max bars) and expected (dashed) acceptance per draft step at the last
     evaluation, each variant in its colour and marker."""
-    plt = _pyplot()
+    plt = pyplot()
     summary = result["summary"]
     k, last = result["runs"][0]["setting"]["chain"], len(summary["steps"]) - 1
     names = list(summary["variants"])

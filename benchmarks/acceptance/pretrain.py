@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import mtp_hooks
-from benchmarks import models
-from benchmarks.acceptance.settings import Setting, config, shape_of
+from benchmarks.acceptance.settings import Setting, build_model
 from benchmarks.acceptance.drafts import device_of, positions
 from benchmarks.acceptance.task import Task
 
@@ -102,6 +101,8 @@ def _pretrain_key(task: Task, setting: Setting) -> Optional[str]:
 
     fields = {k: v for k, v in dataclasses.asdict(setting).items()
               if k.startswith("sft_") or k in ("hidden", "layers", "heads", "vocab", "mtp", "seq", "position_embedding", "held_out_windows", "seed")}
+    if setting.family != "gpt":  # the GPT family's keys as they were before families
+        fields["family"] = setting.family
     text = json.dumps([base, fields, version("megatron-core"), torch.__version__], sort_keys=True)
     return f"{base}-seed{setting.seed}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
@@ -117,7 +118,7 @@ def pretrained(task: Task, setting: Setting, cache: Path, log: Any) -> tuple[dic
         log(f"pretrained model of seed {setting.seed} from {path} ({saved['pretrain']['steps']} steps)")
         _PRETRAINED[key] = (saved["state"], {**saved["pretrain"], "cached": True})
         return _PRETRAINED[key]
-    base = models.build(config(setting), shape_of(setting), setting.mtp, seed=1234 + setting.seed)
+    base = build_model(setting, seed=1234 + setting.seed)
     log(f"pretraining (joint main + MTP, stock-style) on the {task.name} task, batch {setting.sft_batch} x {setting.pretrain_seq}")
     started = time.perf_counter()
     sft = pretrain(base, task, setting, log)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from benchmarks import models
 from benchmarks.configs import Config, Shape
 
 WORD_VARIANTS = ("frozen", "ce", "distill", "tv")
@@ -21,6 +22,9 @@ CODE_VARIANTS = WORD_VARIANTS + ("accept",)
 # The draft chain (``benchmarks.acceptance.chain``): plain = the N layers teacher-forced, ``+tf`` = k steps
 # teacher-forced, ``+chain`` = k steps on their own sampled drafts.
 CHAIN_VARIANTS = ("frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain")
+# Measured by vLLM (``--engine vllm``, ``benchmarks.acceptance.engine_run``): trained under the engine's rule and, for
+# the chains, its schedule (``@per_step``: SGLang's, for contrast).
+ENGINE_VARIANTS = ("frozen", "ce", "accept", "ce+chain", "accept+chain", "accept+chain@per_step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,7 @@ class Setting:
     variants: tuple[str, ...] = WORD_VARIANTS
     chain: int = 0  # draft steps k the chain variants train and every variant is evaluated with (0: the N layers)
     position_embedding: str = "learned_absolute"
+    family: str = "gpt"  # the model: "gpt" (benchmarks.models) or "mimo" (Qwen2 with MTP layers, as vLLM runs it: --engine)
     device: str = "cpu"
     seed: int = 0
 
@@ -92,6 +97,16 @@ SETTINGS: dict[str, dict[str, Setting]] = {
 # One temperature, the quick RL schedule, more evaluation rollouts (steps 2..3 are tried only after
 # step 1 is accepted): about 4 min per seed on one core.
 SETTINGS["code"]["chain"] = dataclasses.replace(_CODE, mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS, eval_rollouts=32)
+# --engine vllm: a MiMo-shaped model (Qwen2 + 2 MTP layers) that vLLM runs with method="mtp"; the chains train k = 3 steps,
+# and the engine drafts k = 1..3 greedily. One rollout temperature (1.0); rl_lr 3e-4: at 1e-3 the quick run's greedy
+# continuations had collapsed to ". . . ." by step 8 (measured), and the engine evaluates greedy continuations.
+# engine-quick: one seed, about 1.5 min on 2 cores with its pretraining (docs/development.md); engine: 3 seeds.
+SETTINGS["code"]["engine-quick"] = dataclasses.replace(_CODE, family="mimo", chain=3, temperatures=(1.0,), variants=ENGINE_VARIANTS, rl_lr=3e-4)
+SETTINGS["code"]["engine"] = dataclasses.replace(SETTINGS["code"]["engine-quick"], seq=48, sft_min_steps=300, sft_max_steps=600, sft_window=100,
+                                                 rl_steps=24, eval_every=8, eval_rollouts=32)
+# The engine test's (tests/engine/test_engine_acceptance_bench.py): seconds of training, four engine starts.
+SETTINGS["code"]["engine-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], family="mimo", hidden=64, chain=3, temperatures=(1.0,),
+                                                       variants=("frozen", "ce", "accept+chain"), seq=20, eval_rollouts=4)
 SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 
@@ -101,6 +116,18 @@ def config(setting: Setting) -> Config:
         name="acceptance", device=setting.device, dtype=torch.float32, base=shape, vocab_sweep=(), seq_sweep=(), mtp_sweep=(),
         rounds=1, warmup=0, position_embedding=setting.position_embedding,
     )
+
+
+def build_model(setting: Setting, seed: int = 1234) -> Any:
+    """A fresh model of ``setting`` (fp32, untied head): ``benchmarks.models``' GPT, or for ``family="mimo"``
+    the Qwen2-style one of ``mtp_hooks.testing.engine_models`` (RMSNorm, SwiGLU, RoPE, GQA, QKV bias)."""
+    if setting.family == "mimo":
+        from mtp_hooks.testing.engine_models import shape
+
+        return shape("mimo", setting.mtp, hidden_size=setting.hidden, num_layers=setting.layers, vocab_size=setting.vocab).build(seed)
+    if setting.family != "gpt":
+        raise ValueError(f"family: expected 'gpt' or 'mimo', received {setting.family!r}")
+    return models.build(config(setting), shape_of(setting), setting.mtp, seed=seed)
 
 
 def shape_of(setting: Setting) -> Shape:

@@ -81,12 +81,12 @@ def shape(family: str, mtp_num_layers: int = 1, *, hidden_size: int = HIDDEN, nu
     raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
 
 
-def hf_config(family: str, config: Any, vocab_size: int = VOCAB) -> dict[str, Any]:
+def hf_config(family: str, config: Any, vocab_size: int = VOCAB, dtype: str = "bfloat16") -> dict[str, Any]:
     """``config.json`` of ``family`` for an mcore ``config`` (vLLM picks the model class by ``architectures``)."""
     common = dict(
         vocab_size=vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
         num_nextn_predict_layers=config.mtp_num_layers, rms_norm_eps=EPS, tie_word_embeddings=False, max_position_embeddings=1024,
-        bos_token_id=0, eos_token_id=1, dtype="bfloat16", hidden_act="silu",
+        bos_token_id=0, eos_token_id=1, dtype=dtype, hidden_act="silu",
     )
     if family == "mimo":
         return dict(common, architectures=["MiMoForCausalLM"], model_type="qwen2", intermediate_size=config.ffn_hidden_size,
@@ -172,18 +172,22 @@ def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="t2").save_pretrained(str(folder))
 
 
-def write_folder(folder: Path, family: str, config: Any, pairs: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]], vocab_size: int = VOCAB) -> Path:
-    """An HF folder vLLM loads: ``config.json``, the tokenizer and ``pairs`` as ``model.safetensors``."""
+def write_folder(
+    folder: Path, family: str, config: Any, pairs: Sequence[tuple[str, Tensor]] | Iterator[tuple[str, Tensor]], vocab_size: int = VOCAB,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """An HF folder vLLM loads: ``config.json``, the tokenizer and ``pairs`` as ``model.safetensors`` in ``dtype``
+    (the dtype ``config.json`` names: bf16, or fp32 for exact T = 0 comparisons with an fp32 trainer)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, Tensor] = {}
     for name, tensor in pairs:
         if name in tensors:
             raise AssertionError(f"two tensors under {name}")
-        tensors[name] = tensor.detach().to(torch.bfloat16).contiguous().clone()  # the dtype config.json names
+        tensors[name] = tensor.detach().to(dtype).contiguous().clone()
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(hf_config(family, config, vocab_size), indent=2))
+    (folder / "config.json").write_text(json.dumps(hf_config(family, config, vocab_size, str(dtype).removeprefix("torch.")), indent=2))
     write_tokenizer(folder, vocab_size)
     return folder
 

