@@ -16,7 +16,7 @@ import mtp_hooks
 from benchmarks.acceptance.chain import training_options
 from benchmarks.acceptance.drafts import DraftCapture, device_of, positions
 from benchmarks.acceptance.settings import Setting, build_model
-from benchmarks.acceptance.task import next_token_targets, policy_gradient_loss
+from benchmarks.acceptance.task import Logits, Task, group_advantages, next_token_targets, policy_gradient_loss, sample_rollouts
 
 
 def is_mtp(name: str) -> bool:
@@ -53,6 +53,20 @@ def make_arm(name: str, state: dict[str, Tensor], setting: Setting, temperature:
     mtp_opt = None if name == "frozen" else torch.optim.Adam(mtp_parameters(model), lr=setting.mtp_lr)
     capture = None if setting.chain else DraftCapture(model)
     return Arm(name, model, hooks, capture, torch.optim.Adam(main_parameters(model), lr=setting.rl_lr), mtp_opt)
+
+
+def rl_banner(setting: Setting, temperature: float) -> str:
+    return (f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps, T = {temperature}), "
+            f"variants {', '.join(setting.variants)}")
+
+
+def grpo_batch(task: Task, setting: Setting, policy: Logits, gen: torch.Generator, temperature: float) -> tuple[Tensor, Tensor, float]:
+    """One GRPO step's batch, the same for every variant: rollouts of ``setting.group`` per prompt from the
+    policy, their group-standardised advantages and the mean reward."""
+    prompts = task.prompts(setting.prompts, "rl", gen).repeat_interleave(setting.group, dim=0)
+    rollouts = sample_rollouts(policy, prompts, setting.seq, gen, temperature)
+    reward = task.reward(rollouts, setting.prompt)
+    return rollouts, group_advantages(reward, setting.group), float(reward.mean())
 
 
 def rl_step(arm: Arm, tokens: Tensor, advantages: Tensor, prompt: int) -> Tensor:

@@ -27,13 +27,12 @@ from torch import Tensor
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from benchmarks.acceptance import report
-from benchmarks.acceptance.arms import assert_same_policy, make_arm, release, rl_step
+from benchmarks.acceptance.arms import assert_same_policy, grpo_batch, make_arm, release, rl_banner, rl_step
 from benchmarks.acceptance.chain import parse_variant
 from benchmarks.acceptance.code_task import CodeTask
 from benchmarks.acceptance.engine_measure import Snapshot, measure
 from benchmarks.acceptance.pretrain import forward, pretrained
 from benchmarks.acceptance.settings import Setting
-from benchmarks.acceptance.task import group_advantages, sample_rollouts
 
 DRAFT_LAYERS = ("first", "per_step")
 
@@ -74,15 +73,11 @@ def run_seed(setting: Setting, folder: Path, cache: Path, log: Callable[[str], N
     def snapshot(step: int) -> None:
         snapshots.append(Snapshot(step, task.prompts(setting.eval_rollouts, "eval", eval_gen), {arm.name: _state(arm.model) for arm in arms}))
 
-    log(f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps, T = {temperature}), "
-        f"variants {', '.join(setting.variants)}")
+    log(rl_banner(setting, temperature))
     snapshot(0)
     for step in range(1, setting.rl_steps + 1):
-        prompts = task.prompts(setting.prompts, "rl", rollout_gen).repeat_interleave(setting.group, dim=0)
-        rollouts = sample_rollouts(policy, prompts, setting.seq, rollout_gen, temperature)
-        reward = task.reward(rollouts, setting.prompt)
-        rewards.append(float(reward.mean()))
-        advantages = group_advantages(reward, setting.group)
+        rollouts, advantages, reward = grpo_batch(task, setting, policy, rollout_gen, temperature)
+        rewards.append(reward)
         for arm in arms:
             rl_step(arm, rollouts, advantages, setting.prompt)
         assert_same_policy(arms, step)

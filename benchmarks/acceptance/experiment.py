@@ -25,12 +25,12 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler  
 
 import mtp_hooks  # noqa: E402
 from benchmarks.acceptance import report  # noqa: E402
-from benchmarks.acceptance.arms import assert_same_policy, make_arm, mtp_parameters, release, rl_step  # noqa: E402
+from benchmarks.acceptance.arms import assert_same_policy, grpo_batch, make_arm, mtp_parameters, release, rl_banner, rl_step  # noqa: E402
 from benchmarks.acceptance.code_task import CodeTask  # noqa: E402
 from benchmarks.acceptance.evaluate import evaluator  # noqa: E402
 from benchmarks.acceptance.pretrain import forward, pretrained  # noqa: E402
 from benchmarks.acceptance.settings import Setting, build_model  # noqa: E402
-from benchmarks.acceptance.task import WordTask, group_advantages, next_token_targets, sample_rollouts  # noqa: E402
+from benchmarks.acceptance.task import WordTask, next_token_targets, sample_rollouts  # noqa: E402
 
 CACHE = Path("bench-out/acceptance-cache")
 TASKS = {"words": WordTask, "code": CodeTask}
@@ -90,15 +90,11 @@ def run(setting: Setting, log: Any = print, temperature: Optional[float] = None,
         shown = ", ".join(f"{name} {values[-1]:.3f}" for name, values in measures.items())
         log(f"  step {step:>4}: held-out reward {eval_rewards[-1]:.3f}, {shown}, KL {eval_kls[-1]:.4f}; accept per depth: " + ", ".join(line))
 
-    log(f"RL (GRPO, {setting.prompts} prompts x {setting.group} rollouts per step, {setting.rl_steps} steps, T = {temperature}), "
-        f"variants {', '.join(setting.variants)}")
+    log(rl_banner(setting, temperature))
     evaluate_all(0)
     for step in range(1, setting.rl_steps + 1):
-        prompts = task.prompts(setting.prompts, "rl", rollout_gen).repeat_interleave(setting.group, dim=0)
-        rollouts = sample_rollouts(policy, prompts, setting.seq, rollout_gen, temperature)
-        reward = task.reward(rollouts, setting.prompt)
-        rewards.append(float(reward.mean()))
-        advantages = group_advantages(reward, setting.group)
+        rollouts, advantages, reward = grpo_batch(task, setting, policy, rollout_gen, temperature)
+        rewards.append(reward)
         with torch.no_grad():
             ref_logits = forward(reference, rollouts)
         for i, arm in enumerate(arms):
