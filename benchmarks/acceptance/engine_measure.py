@@ -101,26 +101,31 @@ def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: in
     return truth, seconds
 
 
-def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> tuple[Any, Any]:
-    """The prediction with the hidden state vLLM's MiMo drafter reads (before the final norm), and with the one
-    mcore feeds the MTP layers and the hooks train on (after it): their difference is the layout's skew."""
+def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> tuple[Any, Any, Any]:
+    """The prediction as vLLM drafts: the hidden state its MiMo drafter reads (before the final norm), steps 2..k
+    one token at a time over the draft's cache (``geometry="engine"``); the same with the input mcore feeds the
+    MTP layers and the hooks train on (after the norm): their difference is the layout's skew; and the hooks'
+    own chain (every step over the whole sequence, as ``mtp_j/accept`` measures in training)."""
     hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
     try:
-        return (predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT),
-                predict_engine_acceptance(model, hooks, prompts, truth, tokens, "decoder_output"))
+        return (predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT, "engine"),
+                predict_engine_acceptance(model, hooks, prompts, truth, tokens, "decoder_output", "engine"),
+                predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT, "chain"))
     finally:
         hooks.remove()
 
 
-def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, as_trained: Any = None) -> dict[str, Any]:
+def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, as_trained: Any = None, chain: Any = None) -> dict[str, Any]:
     """One (variant, k, step) measurement under the record's fixed names (``as_trained``: the prediction with
-    the MTP input mcore trains on, ``predicted_as_trained_accept_j``)."""
+    the MTP input mcore trains on, ``predicted_as_trained_accept_j``; ``chain``: in the hooks' chain geometry,
+    ``predicted_chain_accept_j``)."""
     engine = measured.per_position or (0.0,) * k
     drafts = measured.counts.drafts
     return {
         **{f"engine_accept_{j}": engine[j - 1] for j in range(1, k + 1)},
         **{f"predicted_accept_{j}": predicted.per_position[j - 1] for j in range(1, k + 1)},
         **({f"predicted_as_trained_accept_{j}": as_trained.per_position[j - 1] for j in range(1, k + 1)} if as_trained is not None else {}),
+        **({f"predicted_chain_accept_{j}": chain.per_position[j - 1] for j in range(1, k + 1)} if chain is not None else {}),
         "engine_accept_len": measured.mean_length,
         "predicted_accept_len": predicted.mean_length,
         "accepted_per_target_forward": measured.counts.accepted / drafts if drafts else float("nan"),
@@ -158,9 +163,9 @@ def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Call
                     model.load_state_dict(snap.states[name])
                     _push(sync, model, main=False)
                     measured = generate_greedy(llm, prompts, tokens)
-                    predicted, as_trained = _predict(model, k, prompts, full, tokens)
+                    predicted, as_trained, chain = _predict(model, k, prompts, full, tokens)
                     same = measured.token_ids == tuple(t[:tokens] for t in full)
-                    row = record_row(k, measured, predicted, plain, same, as_trained)
+                    row = record_row(k, measured, predicted, plain, same, as_trained, chain)
                     for field, value in row.items():
                         variants[name].setdefault(f"k{k}", {}).setdefault(field, []).append(value)
                 log(f"  engine k = {k}, step {snap.step:>3}: accept length " + ", ".join(

@@ -32,11 +32,14 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from mtp_hooks import _mcore
 from mtp_hooks.features.chain import Plan
+from mtp_hooks.testing.engine_drafts import engine_step_drafts
 
 __all__ = ["MTP_INPUTS", "Replay", "draft_hits", "predict_engine_acceptance", "replay"]
 
 MTP_INPUTS = ("decoder_output", "pre_final_norm")
+GEOMETRIES = ("chain", "engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +66,9 @@ def _positions(tokens: Tensor) -> Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
 
 
-def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int, mtp_input: str = "decoder_output") -> tuple[Tensor, float]:
+def draft_hits(
+    model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, prompt: int, mtp_input: str = "decoder_output", geometry: str = "chain"
+) -> tuple[Tensor, float]:
     """``[k, b, s]`` bool: step j's draft at position t equals ``sequences[:, t + j + 1]`` (False where
     that is past the end), and the share of the tokens after the prompt that the main head's argmax
     picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
@@ -99,7 +104,20 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
             kwargs["hidden_states"] = before_norm[-1]
         return args, kwargs
 
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry: expected one of {GEOMETRIES}, received {geometry!r}")
+    if geometry == "engine" and options.draft_layers != "first":
+        raise ValueError(f"geometry='engine' replays vLLM's proposer, which runs MTP layer 1 for every step: "
+                         f"expected hooks with draft_layers='first', received {options.draft_layers!r}")
+    body_inputs: list[Tensor] = []
+
+    def keep_body_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        body_inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach())
+
     handles = [layer.register_forward_hook(keep) for layer in layers]
+    if geometry == "engine":
+        body = getattr(layers[0], _mcore.mtp_layer_body_name(layers[0]))
+        handles.append(body.register_forward_pre_hook(keep_body_input, with_kwargs=True))
     if mtp_input == "pre_final_norm":
         handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
         handles.append(layers[0].register_forward_pre_hook(feed_before_norm, with_kwargs=True))
@@ -124,6 +142,11 @@ def draft_hits(model: nn.Module, hooks: mtp_hooks.MTPHooks, sequences: Tensor, p
         reported = metrics.get(f"mtp_{j}/acc")
         if reported is not None and abs(reported - share) > 1e-6:
             raise AssertionError(f"step {j}: drafts equal to the engine's tokens {share:.6f}, the hooks' mtp_{j}/acc {reported:.6f}")
+    if geometry == "engine" and steps > 1:  # steps 2..k as the engine's proposer runs them (engine_drafts)
+        drafts = engine_step_drafts(model, body_inputs[0], chosen[0], steps, prompt - 1)
+        for j in range(2, steps + 1):
+            hits[j - 1] = False
+            hits[j - 1, :, : s - j - 1] = drafts[j - 1, :, : s - j - 1] == sequences[:, j + 1 :]
     picked = logits.detach()[:, prompt - 1 : -1].argmax(-1).cpu()
     return hits, float((picked == sequences[:, prompt:]).float().mean())
 
@@ -148,7 +171,7 @@ def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float =
 
 def predict_engine_acceptance(
     model: nn.Module, hooks: mtp_hooks.MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]], max_tokens: int,
-    mtp_input: str = "decoder_output",
+    mtp_input: str = "decoder_output", geometry: str = "chain",
 ) -> Replay:
     """The per-position acceptance a T = 0 engine drafting ``hooks.options.draft_steps`` tokens measures
     when it generates ``max_tokens`` tokens per prompt. ``token_ids``: the engine's generated tokens, at
@@ -163,5 +186,5 @@ def predict_engine_acceptance(
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
     sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
     prompt = lengths.pop()
-    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry)
     return replay(hits, prompt, max_tokens, agreement)

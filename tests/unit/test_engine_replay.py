@@ -12,6 +12,7 @@ from torch import nn
 
 import mtp_hooks
 from mtp_hooks.testing import engine_models as em
+from mtp_hooks.testing.engine_drafts import engine_step_drafts
 from mtp_hooks.testing.engine_replay import draft_hits
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -81,3 +82,53 @@ def test_copy_draft_hits_every_counting_step_at_step_1() -> None:
     assert agreement == 1.0  # the counting target picks every next token
     assert hits[0, :, : 12 - 2].all() and hits[1, :, : 12 - 3].all()  # layer 1, a perfect draft, runs both steps
     assert not hits[0, :, 12 - 2 :].any()  # no token to compare with past the end
+
+
+def _step1_states(model: nn.Module, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MTP layer 1's body input and its output in one teacher-forced forward of ``sequences``."""
+    seen: dict[str, torch.Tensor] = {}
+    layer = model.mtp.layers[0]
+    body = getattr(layer, "mtp_model_layer", None) or layer.transformer_layer
+
+    def body_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.setdefault("inputs", kwargs["hidden_states"].detach())
+
+    def output(module: nn.Module, args: Any, out: Any) -> None:
+        seen.setdefault("outputs", (out if isinstance(out, torch.Tensor) else out[0]).detach())
+
+    handles = [body.register_forward_pre_hook(body_input, with_kwargs=True), layer.register_forward_hook(output)]
+    hooks = mtp_hooks.attach(model, draft_steps=3, **RULE)
+    try:
+        draft_hits(model, hooks, sequences, prompt=4, geometry="engine")
+    finally:
+        hooks.remove()
+        for handle in handles:
+            handle.remove()
+    return seen["inputs"], seen["outputs"]
+
+
+def test_engine_geometry_drafts_each_start_as_its_own_unpadded_sequence() -> None:
+    """Batched starts (padded to one length, causal attention) draft what each start drafts alone, and step 1
+    is the teacher-forced draft; steps 2..3 read step 1's states before the start, not their own."""
+    model = em.shape("mimo", 2).build(seed=5)
+    sequences = torch.randint(2, em.VOCAB, (2, 14), generator=torch.Generator().manual_seed(2))
+    inputs, outputs = _step1_states(model, sequences)
+    batched = engine_step_drafts(model, inputs, outputs, steps=3, first=3)
+    alone = engine_step_drafts(model, inputs, outputs, steps=3, first=3, chunk=1)
+    assert torch.equal(batched, alone)
+    assert (batched[:, :, :3] == -1).all() and (batched[:, :, 3:] >= 0).all()
+    # The start at p sees only positions <= p of step 1: changing a later token's step-1 state changes nothing.
+    changed = inputs.clone()
+    changed[10:] += 1.0
+    again = engine_step_drafts(model, changed, outputs, steps=3, first=3)
+    assert torch.equal(again[:, :, :10], batched[:, :, :10])
+
+
+def test_engine_geometry_needs_the_first_layer_schedule() -> None:
+    model = em.trainer("mimo", "copy", mtp_num_layers=2)
+    hooks = mtp_hooks.attach(model, draft_steps=2, **{**RULE, "draft_layers": "per_step"})
+    try:
+        with pytest.raises(ValueError, match="geometry='engine'"):
+            draft_hits(model, hooks, torch.tensor(em.counting_prompts(2, 12)), prompt=4, geometry="engine")
+    finally:
+        hooks.remove()
