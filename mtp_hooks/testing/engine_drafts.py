@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from mtp_hooks import _mcore
 
-__all__ = ["engine_step_drafts"]
+__all__ = ["engine_step_drafts", "head_argmax"]
 
 
 def _project(layer: nn.Module, embedded: Tensor, hidden: Tensor) -> Tensor:
@@ -43,8 +43,9 @@ def _body(model: nn.Module, layer: nn.Module, inputs: Tensor) -> Tensor:
     return layer.final_layernorm(out[0] if isinstance(out, tuple) else out)
 
 
-def _argmax(model: nn.Module, hidden: Tensor) -> Tensor:
-    weight = model.output_layer.weight
+def head_argmax(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The main head's greedy pick (its weight, fp32) for each row of ``hidden``: a draft token."""
+    weight = model.output_layer.weight.detach()
     return (hidden.float() @ weight.float().t()).argmax(-1)
 
 
@@ -56,7 +57,7 @@ def engine_step_drafts(model: nn.Module, step1_inputs: Tensor, step1_outputs: Te
     layer = model.mtp.layers[0]
     s, b, h = step1_inputs.shape
     drafts = torch.full((steps, b, s), -1, dtype=torch.long)
-    drafts[0, :, first:] = _argmax(model, step1_outputs[first:]).t().cpu()
+    drafts[0, :, first:] = head_argmax(model, step1_outputs[first:]).t().cpu()
     starts = [(p, row) for p in range(first, s) for row in range(b)]
     for lo in range(0, len(starts), chunk):
         batch = starts[lo : lo + chunk]
@@ -68,13 +69,13 @@ def engine_step_drafts(model: nn.Module, step1_inputs: Tensor, step1_outputs: Te
         index = torch.arange(len(batch), device=seqs.device)
         rows = torch.tensor([row for _, row in batch])
         hidden = step1_outputs[ends, rows.to(seqs.device)]  # [n, h]
-        token = _argmax(model, hidden)
+        token = head_argmax(model, hidden)
         for j in range(2, steps + 1):
             at = ends + j - 1  # step j's query position
             embedded = model.embedding(input_ids=token[:, None], position_ids=at[:, None])[0]  # [n, h]
             seqs[at, index] = _project(layer, embedded, hidden)
             out = _body(model, layer, seqs)
             hidden = out[at, index]
-            token = _argmax(model, hidden)
+            token = head_argmax(model, hidden)
             drafts[j - 1, rows, ends.cpu()] = token.cpu()
     return drafts

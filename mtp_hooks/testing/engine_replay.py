@@ -34,7 +34,7 @@ from torch import Tensor, nn
 import mtp_hooks
 from mtp_hooks import _mcore
 from mtp_hooks.features.chain import Plan
-from mtp_hooks.testing.engine_drafts import engine_step_drafts
+from mtp_hooks.testing.engine_drafts import engine_step_drafts, head_argmax
 
 __all__ = ["MTP_INPUTS", "Replay", "draft_hits", "predict_engine_acceptance", "replay"]
 
@@ -74,6 +74,13 @@ def draft_hits(
     picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
     ``hooks``, whose ``draft_steps`` is k; ``prompt`` tokens are not scored."""
     options = hooks.options
+    if mtp_input not in MTP_INPUTS:
+        raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry: expected one of {GEOMETRIES}, received {geometry!r}")
+    if geometry == "engine" and options.draft_layers != "first":
+        raise ValueError(f"geometry='engine' replays vLLM's proposer, which runs MTP layer 1 for every step: "
+                         f"expected hooks with draft_layers='first', received {options.draft_layers!r}")
     layers = list(model.mtp.layers)
     steps = options.draft_steps or model.config.mtp_num_layers
     plan = Plan.of(steps, model.config, len(layers), options.draft_layers)
@@ -87,8 +94,6 @@ def draft_hits(
     labels = torch.roll(ids, -1, 1)
     mask = torch.zeros(ids.shape, dtype=torch.float32, device=device)
     mask[:, prompt - 1 : -1] = 1.0
-    if mtp_input not in MTP_INPUTS:
-        raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
     before_norm: list[Tensor] = []
 
     def keep_norm_input(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -104,11 +109,6 @@ def draft_hits(
             kwargs["hidden_states"] = before_norm[-1]
         return args, kwargs
 
-    if geometry not in GEOMETRIES:
-        raise ValueError(f"geometry: expected one of {GEOMETRIES}, received {geometry!r}")
-    if geometry == "engine" and options.draft_layers != "first":
-        raise ValueError(f"geometry='engine' replays vLLM's proposer, which runs MTP layer 1 for every step: "
-                         f"expected hooks with draft_layers='first', received {options.draft_layers!r}")
     body_inputs: list[Tensor] = []
 
     def keep_body_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -131,11 +131,10 @@ def draft_hits(
     if len(outputs) != plan.block_steps + plan.reruns:
         raise AssertionError(f"{len(outputs)} MTP layer calls, expected {plan.block_steps} + {plan.reruns}")
     chosen = outputs[: plan.kept] + outputs[plan.block_steps :]
-    weight = model.output_layer.weight.detach()
     b, s = ids.shape
     hits = torch.zeros(steps, b, s, dtype=torch.bool)
     for j, hidden in enumerate(chosen, start=1):
-        drafts = (hidden.float() @ weight.float().t()).argmax(-1).t().cpu()  # [b, s]
+        drafts = head_argmax(model, hidden).t().cpu()  # [b, s]
         hits[j - 1, :, : s - j - 1] = drafts[:, : s - j - 1] == sequences[:, j + 1 :]
         scored = mask.cpu()[:, j:]  # the hooks roll the mask with the labels: step j at t is scored where t + j is
         share = float((hits[j - 1, :, : s - j] & scored.bool()).sum() / scored.sum())
