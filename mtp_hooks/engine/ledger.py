@@ -44,8 +44,16 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def _stale(name: str, expected: str, received: str, reason: str) -> StaleDraftError:
-    return StaleDraftError(f"{name}: the engine's draft is not the trainer's\n  expected: {expected}\n  received: {received}\n  {reason}")
+def _stale(name: str, expected: str, received: str, reason: str, write: Optional[Write] = None) -> StaleDraftError:
+    naming = ""
+    if write is not None and write.parameter:
+        naming = (
+            f"\n  names: the trainer's {name} is held by the engine's {write.parameter}: the engine names its own "
+            "parameters: it numbers the MTP layers by its own scheme (after the target's decoder layers, or from the "
+            "checkpoint's MTP index plus an offset), and stacks q/k/v, gate/up and experts into one parameter; "
+            "the pushed name is the checkpoint's)"
+        )
+    return StaleDraftError(f"{name}: the engine's draft is not the trainer's\n  expected: {expected}\n  received: {received}\n  {reason}{naming}")
 
 
 def compare(
@@ -79,13 +87,14 @@ def compare(
         for index, write in enumerate(writes):
             where = f"the engine's {write.parameter or 'parameter'} view {write.shape} ({write.dtype})"
             if _numel(write.shape) != _numel(shapes[name]):
-                raise _stale(name, trained, f"{where}: another size", "the trainer's tensor changed shape since the push")
+                raise _stale(name, trained, f"{where}: another size", "the trainer's tensor changed shape since the push", write)
             if write.loaded != checksum:
                 raise _stale(
                     name,
                     trained,
                     f"checksum {write.loaded} ({where}, as the last push wrote it)",
                     "the trainer's tensor changed since the last push: an optimizer step without a push, or a push of other weights",
+                    write,
                 )
             now = live.get((name, index))
             if write.live is not None and now != write.live:
@@ -94,5 +103,6 @@ def compare(
                     f"checksum {write.live} ({where}, as it was after the last push)",
                     f"checksum {now} (the same view now)" if now is not None else "nothing (the parameter is gone)",
                     "the engine's tensor changed since the push (overwritten, or dropped as by a sleep / offload)",
+                    write,
                 )
     return len(trainer)

