@@ -27,8 +27,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from megatron.core import parallel_state
-from megatron.core.transformer import multi_token_prediction as _mtp
+from mtp_hooks._quiet import megatron_notices_silenced
+
+with megatron_notices_silenced():  # the first megatron-core import of most faces (export, integrations)
+    from megatron.core import parallel_state
+    from megatron.core.transformer import multi_token_prediction as _mtp
 
 from mtp_hooks.errors import MTPHooksError
 
@@ -97,7 +100,9 @@ class TrackerGrowth:
         self._noted = False
         tracker = MTPLossLoggingHelper.tracker
         for key, value in list(tracker.items()):
-            if isinstance(value, Tensor) and value.dim() == 1 and (self._length is None or value.shape[0] > self._length):
+            if isinstance(value, Tensor) and value.dim() == 1 and (
+                self._length is None or value.shape[0] > self._length
+            ):
                 if self._length is None:
                     del tracker[key]
                 else:
@@ -163,13 +168,16 @@ def depth_coefficient(
 
 
 def scale_depth_loss(
-    loss: Optional[Tensor], depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor, rescale: Optional[bool] = None
+    loss: Optional[Tensor], depth_scale: float, per_token: bool, original_tokens: Tensor, rolled_tokens: Tensor,
+    rescale: Optional[bool] = None,
 ) -> Any:
     """``loss`` (one depth's masked per-token CE) scaled by ``depth_coefficient``'s rule with
     stock's own sequence of operations, so its gradient is stock's to the bit; ``loss=None``
     gives the coefficient itself."""
     if not per_token:
-        return depth_scale / rolled_tokens.clamp(min=1) if loss is None else depth_scale * loss / rolled_tokens.clamp(min=1)
+        return depth_scale / rolled_tokens.clamp(min=1) if loss is None else (
+            depth_scale * loss / rolled_tokens.clamp(min=1)
+        )
     if PER_TOKEN_LOSS_RESCALED if rescale is None else rescale:
         ratio = original_tokens / rolled_tokens.clamp(min=1)
         return depth_scale * ratio if loss is None else depth_scale * loss * ratio

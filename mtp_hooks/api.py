@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from torch import nn
 
+from mtp_hooks import preflight
 from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
-from mtp_hooks.features.detach import check_wrappers
 from mtp_hooks.handle import MTPHooks
-from mtp_hooks.models import STATE_KEY, check_model, find_language_model
+from mtp_hooks.models import STATE_KEY, find_language_model
 from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output
 
 
@@ -145,9 +145,10 @@ def attach(
 
     Raises:
         MTPHooksError: for a model without MTP layers, a second attach, bad arguments (also
-            for the wrappers given: ``features.detach.check_wrappers``), or a
-            megatron-core release that calls the output layer, MTP block or MTP layers with other
-            keyword names than the hooks rely on (``_mcore.check_call_conventions``).
+            for the wrappers given: ``features.detach.check``), or a megatron-core release that
+            calls the output layer, MTP block or MTP layers with other keyword names than the
+            hooks rely on (``_mcore.check_call_conventions``); all of them raised by one check
+            phase (``preflight``) before anything is registered.
 
     Example::
 
@@ -166,13 +167,8 @@ def attach(
     sharing its process groups, as a stock mcore model needs) gives a copy with its own hooks.
     """
     arguments = locals()  # the options, by the names ``Options`` has (a test holds the two equal)
-    language_model = find_language_model(model)
-    check_model(language_model)
     options = Options(**{field.name: arguments[field.name] for field in dataclasses.fields(Options)})
-    options.check_config(language_model.config)
-    check_wrappers(model, options.detach_encoder)
-    if language_model.post_process and getattr(language_model.output_layer, "bias", None) is not None:
-        raise MTPHooksError("model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)")
+    language_model = preflight.check(model, options)
     hooks = MTPHooks(language_model, options)
     language_model.__dict__[STATE_KEY] = hooks
     return hooks

@@ -35,9 +35,12 @@ def check_targets(labels: Any, loss_mask: Any, validate: Validate) -> None:
     if loss_mask is None:
         return
     if not isinstance(loss_mask, Tensor) or loss_mask.shape != labels.shape:
-        raise bad_argument("loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask))
+        expected = f"None or a tensor shaped like labels {tuple(labels.shape)}"
+        raise bad_argument("loss_mask", expected, describe(loss_mask))
     if loss_mask.device != labels.device:
-        raise bad_argument("loss_mask", f"a tensor on the device of labels ({labels.device})", f"a tensor on {loss_mask.device}")
+        raise bad_argument(
+            "loss_mask", f"a tensor on the device of labels ({labels.device})", f"a tensor on {loss_mask.device}"
+        )
     if loss_mask.dtype != torch.bool and validate != "off":
         other = (loss_mask != 0) & (loss_mask != 1)
         require(~other.any(), validate, lambda: _not_binary(loss_mask, other))
@@ -49,7 +52,9 @@ def check_loss_scale(name: str, value: Any) -> Any:
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
-    raise bad_argument(name, "None, a float >= 0 or a 0-d floating tensor (a multiplier of the micro-batch's MTP loss)", repr(value))
+    raise bad_argument(
+        name, "None, a float >= 0 or a 0-d floating tensor (a multiplier of the micro-batch's MTP loss)", repr(value)
+    )
 
 
 def check_against_inputs(labels: Tensor, input_ids: Any) -> None:
@@ -61,7 +66,9 @@ def check_against_inputs(labels: Tensor, input_ids: Any) -> None:
     if labels.shape != input_ids.shape:
         raise bad_argument("labels", f"shape of input_ids {tuple(input_ids.shape)}", describe(labels))
     if labels.device != input_ids.device:
-        raise bad_argument("labels", f"a tensor on the device of input_ids ({input_ids.device})", f"a tensor on {labels.device}")
+        raise bad_argument(
+            "labels", f"a tensor on the device of input_ids ({input_ids.device})", f"a tensor on {labels.device}"
+        )
 
 
 def check_label_range(labels: Tensor, loss_mask: Optional[Tensor], vocab_size: int, validate: Validate) -> None:

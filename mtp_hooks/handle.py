@@ -58,7 +58,11 @@ class MTPHooks:
 
     def _live(self, method: str) -> ForwardHooks:
         if self._removed:
-            raise bad_state(method, "hooks still attached (attach the model again to train MTP)", "a call after remove() (these hooks were removed)")
+            raise bad_state(
+                method,
+                "hooks still attached (attach the model again to train MTP)",
+                "a call after remove() (these hooks were removed)",
+            )
         return self._hooks
 
     @property
@@ -86,7 +90,17 @@ class MTPHooks:
         """
         return self._hooks.loss_path
 
-    def micro_batch(self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None) -> MicroBatchTargets:
+    def draft_plan(self) -> tuple[int, ...]:
+        """Which MTP layer (an index into ``model.mtp.layers``) runs each draft step 1..k of a training forward:
+        layer 0 for every step with ``draft_layers="first"`` (vLLM), else the block's layer of depth j for step j
+        (``"per_step"``; mcore, SGLang: layer j - 1, or the one module that serves every depth) and the last one
+        for the steps past the block's."""
+        plan = self._live("draft_plan").plan
+        return tuple(min(depth, plan.layer) for depth in range(plan.kept)) + (plan.layer,) * plan.reruns
+
+    def micro_batch(
+        self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None
+    ) -> MicroBatchTargets:
         """``with hooks.micro_batch(labels, loss_mask): model(...)``: the training forward in the
         block trains MTP on these ``[b, s]`` targets.
 
@@ -107,7 +121,7 @@ class MTPHooks:
         ``MTPHooksStateError``; it never sees this thread's targets.
         """
         hooks = self._live("micro_batch")
-        return MicroBatchTargets(self, hooks.binding.micro_batches, hooks.arm(labels, loss_mask, loss_scale))
+        return MicroBatchTargets(self, hooks.binding.micro_batches, hooks.binding.arm(labels, loss_mask, loss_scale))
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Per-depth ``mtp_k/loss`` (masked mean CE), ``mtp_k/acc`` (share of masked positions whose
@@ -115,8 +129,8 @@ class MTPHooks:
         last reset (a forward that raised counts for nothing). A depth that counted no token has
         ``mtp_k/tokens == 0`` and no ratios. Where acceptance is measured (``agreement_metrics``
         or a draft objective) also ``mtp_k/agree``, ``mtp_k/accept`` (expected acceptance
-        under ``accept_rule``: ``p_T(argmax q)`` by default) and ``mtp/accept_len``: the expected number of accepted draft
-        tokens of the chained depths, ``sum_k mean_t prod_{j<=k} alpha_j(t)`` with the product
+        under ``accept_rule``: ``p_T(argmax q)`` by default) and ``mtp/accept_len``: the expected
+        number of accepted draft tokens of the chained depths, ``sum_k mean_t prod_{j<=k} alpha_j(t)`` with the product
         taken per position (``metrics.MTPMetrics`` says why), each mean over the positions where
         depths 1..k all have a target; absent while there is no position with every depth's
         target. mcore's tracker gets no ``accept_len``: it holds per-depth loss and label counts

@@ -100,11 +100,19 @@ class Head:
         if self.reproducible:
             return
         raise MTPHooksError(
-            f"{option}: {what} without calling the output layer, which would bypass what its calls do (hooks registered "
-            "on it or torch's global module hooks, a forward or _forward_impl of its own class)\n"
-            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes (no forward or _forward_impl of "
-            "its own, no hooks other than mtp_hooks' own)\n"
+            f"{option}: {what} without calling the output layer, which would bypass what its calls do "
+            "(hooks registered on it or torch's global module hooks, a forward or _forward_impl of its own class)\n"
+            "  expected: an output layer whose call mcore's own ColumnParallelLinear makes "
+            "(no forward or _forward_impl of its own, no hooks other than mtp_hooks' own)\n"
             f"  received: a {type(self.layer).__name__} whose call does more; {instead}"
+        )
+
+
+def check_bias_free(model: nn.Module) -> None:
+    """Refuse, at ``attach``, an output layer with a bias: the lean paths compute ``hidden @ weight.T``."""
+    if model.post_process and getattr(model.output_layer, "bias", None) is not None:
+        raise MTPHooksError(
+            "model: the output layer has a bias; mtp_hooks supports bias-free output layers (GPTModel's default)"
         )
 
 
@@ -150,31 +158,5 @@ def follows_main_grad_protocol(layer: nn.Module, weight: Tensor) -> bool:
     """Whether mcore's output layer would accumulate ``weight``'s gradient into ``weight.main_grad``
     (``ops.main_grad``). mcore's own test: ``gradient_accumulation_fusion and hasattr(weight,
     "main_grad")``. A detached weight (a frozen head) is a new tensor without ``main_grad``."""
-    return bool(getattr(layer, "gradient_accumulation_fusion", False)) and weight.requires_grad and hasattr(weight, "main_grad")
-
-
-def mark_shared_copy(model: nn.Module) -> Optional[Tensor]:
-    """Mark a later pipeline stage's tied word-embedding copy ``zero_out_wgrad``; return it if marked here.
-
-    On that stage (tied heads, the MTP layers there, PP > 1) one weight serves both the output layer
-    and the MTP layers' embedding lookups. Under the ``main_grad`` protocol the output layer adds its
-    share to ``main_grad`` and returns an uninitialised placeholder, autograd sums the lookups' share
-    onto it, and DDP drops the sum (``grad_added_to_main_grad``): the lookups' share is lost (stock
-    mcore too). ``zero_out_wgrad`` is mcore's own flag for a weight two layers use on one stage (it
-    sets it at PP = 1 only): the placeholder is zeros, so DDP adds ``.grad``, which is then exactly
-    the lookups' share. Nothing is computed anew, and a stage without fusion is unchanged (the flag
-    is read only under the protocol).
-    """
-    if not (getattr(model, "share_embeddings_and_output_weights", False) and model.post_process and model.mtp_process):
-        return None
-    weight = model.embedding.word_embeddings.weight
-    if getattr(weight, "zero_out_wgrad", False):
-        return None  # PP = 1: mcore set it
-    weight.zero_out_wgrad = True
-    return weight
-
-
-def unmark_shared_copy(weight: Optional[Tensor]) -> None:
-    """Undo ``mark_shared_copy``."""
-    if weight is not None and getattr(weight, "zero_out_wgrad", False):
-        del weight.zero_out_wgrad
+    fusion = bool(getattr(layer, "gradient_accumulation_fusion", False))
+    return fusion and weight.requires_grad and hasattr(weight, "main_grad")

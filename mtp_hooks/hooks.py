@@ -1,4 +1,4 @@
-"""The switchboard: the hooks of one language model, installed once and kept in order.
+"""The switchboard: the hooks of one language model, installed once (after ``preflight``) and kept in order.
 
 A forward meets them in this order: (1) the model pre-hook (``on_model_pre``) starts the forward
 (``runtime.flight``: one at a time, one thread), takes ``labels`` / ``loss_mask`` out of the call so
@@ -26,16 +26,16 @@ import torch
 from torch import Tensor, nn
 
 from mtp_hooks import _mcore
-from mtp_hooks.checks import check_against_inputs, check_label_range
+from mtp_hooks.checks import check_label_range
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.features import chain, deferral, detach, logprobs, mtp_loss, packing
+from mtp_hooks.features import chain, deferral, detach, logprobs, mtp_loss, packing, tied_copy
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
 from mtp_hooks.runtime.arguments import CallArguments, HookResult
 from mtp_hooks.runtime.binding import ModelBinding
 from mtp_hooks.runtime.forward import Forward
-from mtp_hooks.runtime.micro_batch import MicroBatch
+from mtp_hooks.runtime.order import HookOrder
 
 
 @dataclasses.dataclass
@@ -46,6 +46,8 @@ class InFlight(Forward):
     chain: chain.ChainCall = dataclasses.field(default_factory=chain.ChainCall)
     scoring: Optional[logprobs.Scoring] = None  # output="logprobs"
     main_call: deferral.MainCall = dataclasses.field(default_factory=deferral.MainCall)
+    packing: packing.Packing = dataclasses.field(default_factory=packing.Packing)
+    tied: tied_copy.Served = dataclasses.field(default_factory=tied_copy.Served)
 
 
 class ForwardHooks:
@@ -58,92 +60,78 @@ class ForwardHooks:
     def __init__(self, model: nn.Module, options: Options) -> None:
         self.options = options
         self.depth: int = options.steps(model.config)  # draft steps trained: the layers, or ``draft_steps``
-        self.plan = chain.Plan.of(self.depth, model.config, len(model.mtp.layers) if model.mtp_process else 1, options.draft_layers)
+        layer_modules = len(model.mtp.layers) if model.mtp_process else 1
+        self.plan = chain.Plan.of(self.depth, model.config, layer_modules, options.draft_layers)
         self.metrics = MTPMetrics(self.depth)
         # A chain past the model's N depths grows mcore's process-wide tracker; ``close`` undoes it.
         self._tracker = _mcore.TrackerGrowth() if self.depth > model.config.mtp_num_layers else None
         self.loss_path: Optional[str] = None  # of the last completed training forward
         self.binding = ModelBinding(model, model.config, bool(model.mtp_process), options.validate)
+        self._tied_mark = tied_copy.Mark.of(model)  # undone by ``close``
         self._arguments = CallArguments(model)
-        self._last: dict[str, int] = {}  # hooks kept first / last in their dicts, by handle id
+        self._order = HookOrder()  # hooks kept first / last in their dicts
 
     def _forward_here(self) -> Optional[InFlight]:
         """The one guard of every submodule hook: the forward in flight on this thread, if any."""
         return self.binding.flight.here()  # an InFlight: on_model_pre starts only those
 
     def install(self, model: nn.Module) -> list[Any]:
-        options = self.options
-        _mcore.check_call_conventions(model, detach.layer_keywords(options))
-        chain.check_chain(model, options.draft_steps, options.draft_inputs, options.draft_layers)
-        pre = model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True)
-        post = model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True)
-        done = model.register_forward_hook(self.on_model_done, with_kwargs=True, always_call=True)
-        handles = [pre, post, done]
-        self._last["model"] = done.id
+        """Register the hooks on ``model`` (``preflight`` passed it): each site's where it can act."""
+        options, keep = self.options, self._order.keep
+        handles = [
+            model.register_forward_pre_hook(self.on_model_pre, with_kwargs=True),
+            model.register_forward_hook(self.on_model_post, with_kwargs=True, always_call=True),
+            keep(model.register_forward_hook(self.on_model_done, with_kwargs=True, always_call=True)),
+        ]
         if model.post_process:
-            handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True))
-            self._last["output_first"] = handles[-1].id
-            handles.append(model.output_layer.register_forward_pre_hook(self.on_output_layer_pre, with_kwargs=True))
-            handles.append(model.output_layer.register_forward_hook(self.on_output_layer_post))
-            handles.append(model.decoder.register_forward_hook(self.on_decoder_post))
-            self._last["decoder"] = handles[-1].id
+            output_layer = model.output_layer
+            first = output_layer.register_forward_pre_hook(self.on_output_layer_first, prepend=True)
+            handles.append(keep(first, "output_layer", pre=True, last=False))
+            handles.append(output_layer.register_forward_pre_hook(self.on_output_layer_pre, with_kwargs=True))
+            handles.append(output_layer.register_forward_hook(self.on_output_layer_post))
+            handles.append(keep(model.decoder.register_forward_hook(self.on_decoder_post), "decoder"))
         if model.mtp_process:
-            handles.append(model.mtp.register_forward_hook(self.on_mtp_block_post))
-            self._last["block"] = handles[-1].id
+            handles.append(keep(model.mtp.register_forward_hook(self.on_mtp_block_post), "mtp"))
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
             if options.detach_encoder or options.feeds_drafts:
                 for layer in self.plan.step_layers(model.mtp.layers):
                     handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
-            if self.plan.changes_block:  # the chain rebuilds the block's output: record the block's call of its step layer
+            if self.plan.changes_block:  # the chain rebuilds the block's output: record its call of the step layer
                 step_layer = model.mtp.layers[self.plan.layer]
-                handles.append(step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True))
+                recorder = step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True)
+                handles.append(recorder)
                 handles.append(step_layer.register_forward_hook(self.on_step_layer_post))
         return handles
 
-    def _keep_order(self, model: nn.Module) -> None:
-        """Keep the post-hooks last and the window-closing pre-hook first, whatever users add later."""
-        for name, hooks, last in (
-            ("model", model._forward_hooks, True),
-            ("decoder", getattr(model, "decoder", None) and model.decoder._forward_hooks, True),
-            ("block", getattr(model, "mtp", None) and model.mtp._forward_hooks, True),
-            ("output_first", getattr(model, "output_layer", None) and model.output_layer._forward_pre_hooks, False),
-        ):
-            hook_id = self._last.get(name)
-            if hook_id is None or not hooks or hook_id not in hooks:
-                continue
-            edge = next(reversed(hooks)) if last else next(iter(hooks))
-            if edge != hook_id:
-                hooks.move_to_end(hook_id, last=last)
-
     # ------------------------------------------------------------------ the model's own hooks
-    def on_model_pre(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        options, arguments = self.options, self._arguments
+    def on_model_pre(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        options, arguments, micro_batches = self.options, self._arguments, self.binding.micro_batches
         fwd = InFlight(model, kwargs, threading.get_ident(), sys.exc_info()[1])
         self.binding.flight.start(model, fwd)
-        self._keep_order(model)
-        args, labels = arguments.take(args, kwargs, "labels")
-        args, loss_mask = arguments.take(args, kwargs, "loss_mask")
+        self._order.restore(model)
         grad = torch.is_grad_enabled()
-        input_ids = arguments.get(args, kwargs, "input_ids")
-        targets, bound, regions = self.binding.micro_batches.of_forward(labels, loss_mask, input_ids, grad)
+        args, (targets, bound, regions) = micro_batches.of_call(arguments, args, kwargs, grad)
         fwd.recompute = bound is not None and bound.trained
-        if targets is not None and bound is None and labels is None:  # a block's (the call's are checked)
-            check_against_inputs(targets.labels, input_ids)
         train = targets is not None and grad and model.post_process
         if train and arguments.get(args, kwargs, "output_processor") is not None:
             # mcore 0.18+: the processor replaces the output layer call the MTP loss hangs on.
-            raise bad_argument("output_processor", "None in a training micro-batch (mtp_hooks needs the output layer call)", "a processor")
+            expected = "None in a training micro-batch (mtp_hooks needs the output layer call)"
+            raise bad_argument("output_processor", expected, "a processor")
         fwd.targets = targets if train else None
-        fwd.packed_seq_params = arguments.get(args, kwargs, "packed_seq_params")
-        if targets is not None and (train or regions.forward):
-            fwd.losses.scale = targets.loss_scale if bound is not None else mtp_loss.forward_scale(options, targets, arguments.named(args, kwargs))
+        fwd.packing.params = arguments.get(args, kwargs, "packed_seq_params")
+        if targets is not None and (train or regions.forward):  # a recompute's was bound with its targets
+            fwd.losses.scale = targets.loss_scale if bound is not None else mtp_loss.forward_scale(
+                options, targets, arguments.named(args, kwargs)
+            )
         scores = options.output == "logprobs" and model.post_process
         vocab_size = getattr(model, "vocab_size", None)
         if vocab_size is not None and targets is not None and bound is None and (train or scores):
             check_label_range(targets.labels, targets.loss_mask, vocab_size, options.validate)
         if scores:
-            fwd.scoring = logprobs.begin(targets, self.binding.micro_batches.pending)
-        self.binding.micro_batches.bind_for_recomputes(regions, targets, fwd.losses.scale, train)
+            fwd.scoring = logprobs.begin(targets, micro_batches.pending)
+        micro_batches.bind_for_recomputes(regions, targets, fwd.losses.scale, train)
         return args, kwargs
 
     def on_model_post(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -165,43 +153,29 @@ class ForwardHooks:
         self.binding.flight.finish(fwd)
         if fwd.failed(output):
             return None  # the forward, or a hook before this one, raised: it counts for nothing
-        if fwd.train and not fwd.losses.attached:
-            raise AssertionError(
-                "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
-                "received the MTP block's output (a path that bypasses module hooks?)"
-            )
-        if fwd.train and not fwd.recompute:
-            self._count(model, fwd.losses)
+        if fwd.train:
+            mtp_loss.check_finished(fwd.losses)
+            if not fwd.recompute:  # its metrics; stock mcore tracks only in training mode
+                self.loss_path = fwd.losses.path
+                mtp_loss.count(fwd.losses, self.metrics, self.depth, model.training, self._tracker)
         return None
-
-    def _count(self, model: nn.Module, losses: mtp_loss.Losses) -> None:
-        """Add a completed training forward's metrics; stock mcore tracks only in training mode."""
-        self.loss_path = losses.path
-        mtp_loss.count(losses, self.metrics, self.depth, model.training, self._tracker)
 
     # ------------------------------------------------------------------ the submodules' hooks
     def on_decoder_post(self, decoder: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """An inference forward opens the window here: ``mtp_process = False``, the MTP block does not run."""
         fwd = self._forward_here()
-        if fwd is None or fwd.train:
+        if fwd is None or fwd.train or not fwd.model.mtp_process:
             return None
-        model = fwd.model
-        if model.mtp_process:
-            tied = getattr(model, "share_embeddings_and_output_weights", False)
-            weight = model.shared_embedding_or_output_weight() if tied else None
-            self.binding.open_window(fwd)
-            if tied and model.shared_embedding_or_output_weight() is not weight:
-                # A later pipeline stage with tied embeddings keeps a copy of the word embeddings
-                # for MTP and serves it as the output weight only while ``mtp_process`` is set;
-                # without it mcore would hand its untrained ``output_layer.weight`` to the head.
-                fwd.output_weight = weight
+        weight = tied_copy.served(fwd.model)  # read before the window hides a later stage's tied copy
+        self.binding.open_window(fwd)
+        tied_copy.keep(fwd.tied, fwd.model, weight)
         return None
 
     def on_mtp_block_pre(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
         fwd = self._forward_here()
         if fwd is None:
             return None
-        return packing.on_block_pre(fwd, block, args, kwargs)
+        return packing.on_block_pre(fwd, fwd.packing, block, args, kwargs)
 
     def on_mtp_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> HookResult:
         fwd = self._forward_here()
@@ -210,7 +184,7 @@ class ForwardHooks:
         if self.options.feeds_drafts:  # the chain's draft embedding first: detach wraps what it gets
             chain.feed_draft(self.options, fwd, fwd.chain, kwargs)
         if self.options.detach_encoder:
-            detach.on_layer_pre(fwd, layer, kwargs, self.options.detach_between_depths)
+            detach.on_layer_pre(fwd, kwargs, self.options.detach_between_depths)
         fwd.mtp_layer_calls += 1
         return args, kwargs
 
@@ -259,17 +233,17 @@ class ForwardHooks:
         elif not fwd.main_pending:
             return None
         fwd.main_pending = False
-        if fwd.output_weight is not None:  # an inference forward's tied copy (``on_decoder_post``)
-            kwargs["weight"] = fwd.output_weight
+        served = tied_copy.serve(fwd.tied, kwargs)  # an inference forward's tied copy (``on_decoder_post``)
         weight = kwargs.get("weight")
         if weight is None:
             weight = layer.weight
         if not fwd.train and fwd.scoring is None:
-            return (args, kwargs) if fwd.output_weight is not None else None
-        head = Head.of(layer, weight, self.options.chunk_size, functools.partial(mtp_loss.own_head_call, layer, fwd.losses))
+            return (args, kwargs) if served else None
+        own_call = functools.partial(mtp_loss.own_head_call, layer, fwd.losses)
+        head = Head.of(layer, weight, self.options.chunk_size, own_call)
         if fwd.train:
             mtp_head = detach.mtp_head(self.options, fwd.model.config, head)
-            hidden = mtp_loss.attach(self.options, fwd, fwd.losses, mtp_head, hidden, self.depth)
+            hidden = mtp_loss.attach(self.options, fwd, fwd.losses, mtp_head, hidden, self.depth, fwd.packing)
             if fwd.scoring is None:  # log-probs drop this call's logits: nothing to undefer
                 deferral.undefer_main_call(fwd, fwd.main_call, layer, hidden)
         if fwd.scoring is not None:
@@ -277,7 +251,8 @@ class ForwardHooks:
         return (hidden, *args[1:]), kwargs
 
     def on_output_layer_post(self, layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """The main head's call returned: deferral's undeferred call ends, or the log-probs link to mcore's own call."""
+        """The main head's call returned: deferral's undeferred call ends, or the log-probs link to
+        mcore's own call."""
         fwd = self._forward_here()
         if fwd is None or not args:
             return None
@@ -287,14 +262,11 @@ class ForwardHooks:
             logprobs.on_head_post(fwd.scoring, args[0], output)
         return None
 
-    # ------------------------------------------------------------------ micro-batches, removal
-    def arm(self, labels: Tensor, loss_mask: Optional[Tensor], loss_scale: Any) -> MicroBatch:
-        binding = self.binding
-        return binding.micro_batches.arm(labels, loss_mask, loss_scale, binding.flight.recover_abandoned)
-
+    # ------------------------------------------------------------------ removal
     def close(self) -> None:
-        """For ``remove``: the model stock again (``ModelBinding.close``) and mcore's tracker back to
-        the depths it held before this chain grew it."""
+        """For ``remove``: the model stock again (``ModelBinding.close``, the tied copy unmarked) and
+        mcore's tracker back to the depths it held before this chain grew it."""
         self.binding.close()
+        self._tied_mark.undo()
         if self._tracker is not None:
             self._tracker.undo()

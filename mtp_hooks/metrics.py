@@ -33,8 +33,8 @@ class MTPMetrics:
     depends on the correlation). The depths' tokens sit at the same positions in one loss call,
     so each term averages over the positions where depths 1..k all have a target, over the
     micro-batches since the last reset. ``alpha`` is the acceptance under the options'
-    ``accept_rule`` (``ops.draft_rule``), as the lean kernel reports it. The acceptances are teacher-forced (each depth reads the
-    data's tokens, not its own drafts), as are ``mtp_k/accept``.
+    ``accept_rule`` (``ops.draft_rule``), as the lean kernel reports it. The acceptances are
+    teacher-forced (each depth reads the data's tokens, not its own drafts), as are ``mtp_k/accept``.
     """
 
     def __init__(self, depth: int) -> None:
@@ -55,7 +55,9 @@ class MTPMetrics:
     ) -> None:
         """Add one micro-batch's sums for depth ``k`` (0-based)."""
         compared = agree is not None and accept is not None and chain is not None and chain_tokens is not None
-        parts = [ce_sum, tokens, correct] + ([agree, accept, chain, chain_tokens] if compared else [torch.zeros_like(ce_sum)] * 4)
+        parts = [ce_sum, tokens, correct] + (
+            [agree, accept, chain, chain_tokens] if compared else [torch.zeros_like(ce_sum)] * 4
+        )
         row = torch.stack([part.detach().double() for part in parts])
         if self._sums is None:
             self._sums = torch.zeros(self.depth, _COLUMNS, dtype=torch.float64, device=row.device)

@@ -1,6 +1,7 @@
 """Which models the hooks serve: finding the mcore language model inside a wrapper, and refusing
-before anything is registered a model the hooks cannot serve. ``STATE_KEY`` is where ``attach``
-keeps the handle in the language model's ``__dict__``."""
+before anything is registered a model the hooks cannot serve; ``mtp_layer_body``, an MTP layer's transformer
+layer under any release's name. ``STATE_KEY`` is where ``attach`` keeps the handle in the language model's
+``__dict__``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from megatron.core.models.common.language_module.language_module import LanguageModule
+from mtp_hooks._quiet import megatron_notices_silenced
+
+with megatron_notices_silenced():  # the module's first megatron-core import, when imported on its own
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError, bad_argument
@@ -39,11 +43,19 @@ def wrapper_chain(model: nn.Module) -> list[Any]:
     )
 
 
+def mtp_layer_body(layer: nn.Module) -> nn.Module:
+    """The transformer layer inside an MTP layer (a ``MultiTokenPredictionLayer``), under the name the installed
+    release gives it (``transformer_layer``, ``mtp_model_layer``): what code outside the hooks hooks or calls."""
+    return getattr(layer, _mcore.mtp_layer_body_name(layer))
+
+
 def check_model(language_model: nn.Module) -> None:
     """Refuse a model the hooks cannot serve, before anything is registered."""
     config = language_model.config
     if not getattr(config, "mtp_num_layers", None):
-        raise bad_argument("model", "a model with MTP layers (config.mtp_num_layers >= 1)", f"mtp_num_layers={config.mtp_num_layers!r}")
+        raise bad_argument(
+            "model", "a model with MTP layers (config.mtp_num_layers >= 1)", f"mtp_num_layers={config.mtp_num_layers!r}"
+        )
     unsupported = _mcore.unsupported_config(config)
     if unsupported is not None:
         raise MTPHooksError(f"model: mtp_hooks cannot reproduce stock MTP with {unsupported}")

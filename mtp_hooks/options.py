@@ -61,7 +61,9 @@ class Options:
             _require_bool(name, getattr(self, name))
         if self.detach_between_depths and not self.detach_encoder:
             raise bad_argument(
-                "detach_between_depths", "False unless detach_encoder=True (each depth then trains only its own layer)", True
+                "detach_between_depths",
+                "False unless detach_encoder=True (each depth then trains only its own layer)",
+                True,
             )
         if self.loss_scale is not None:
             if not _is_real(self.loss_scale) or not self.loss_scale >= 0:
@@ -73,14 +75,16 @@ class Options:
             isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1
         ):
             raise bad_argument("chunk_size", "None or an int >= 1", describe(self.chunk_size))
-        rule = DraftRule(self.objective, self.draft_temperature, self.accept_rule)  # refuses what T = 0 leaves undefined
+        # DraftRule refuses what T = 0 leaves undefined.
+        rule = DraftRule(self.objective, self.draft_temperature, self.accept_rule)
         object.__setattr__(self, "draft_temperature", rule.draft_temperature)
         for name in ("agreement_metrics", "entropy"):
             _require_bool(name, getattr(self, name))
         if self.loss_impl == "dense" and (self.objective != "ce" or self.agreement_metrics):
             raise bad_argument(
                 "loss_impl",
-                "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' / 'accept' and for agreement_metrics (dense keeps stock's CE)",
+                "'lean', 'fused' or 'recompute' for objective 'distill' / 'tv' / 'accept' and for agreement_metrics "
+                "(dense keeps stock's CE)",
                 "'dense'",
             )
         if self.draft_temperature != 1.0 and not (self.compares_with_main_head or self.draft_inputs == "sample"):
@@ -93,11 +97,16 @@ class Options:
         if self.accept_rule != "argmax" and not self.compares_with_main_head:
             raise bad_argument(
                 "accept_rule",
-                "'argmax' unless objective is 'distill', 'tv' or 'accept' or agreement_metrics=True (nothing else measures acceptance)",
+                "'argmax' unless objective is 'distill', 'tv' or 'accept' or agreement_metrics=True "
+                "(nothing else measures acceptance)",
                 describe(self.accept_rule),
             )
-        if self.draft_steps is not None and (isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int) or self.draft_steps < 1):
-            raise bad_argument("draft_steps", "None or an int >= 1 (at least the model's MTP layers)", describe(self.draft_steps))
+        if self.draft_steps is not None and (
+            isinstance(self.draft_steps, bool) or not isinstance(self.draft_steps, int) or self.draft_steps < 1
+        ):
+            raise bad_argument(
+                "draft_steps", "None or an int >= 1 (at least the model's MTP layers)", describe(self.draft_steps)
+            )
         if self.draft_inputs not in DRAFT_INPUTS:
             raise bad_argument("draft_inputs", " or ".join(map(repr, DRAFT_INPUTS)), describe(self.draft_inputs))
         if self.draft_layers not in DRAFT_LAYERS:
@@ -109,14 +118,20 @@ class Options:
         if not _is_real(self.temperature) or not self.temperature > 0:
             raise bad_argument("temperature", "a float > 0", describe(self.temperature))
         if self.temperature != 1.0 and self.output != "logprobs":
-            raise bad_argument("temperature", "1.0 unless output='logprobs' (logits are mcore's own)", describe(self.temperature))
+            raise bad_argument(
+                "temperature", "1.0 unless output='logprobs' (logits are mcore's own)", describe(self.temperature)
+            )
         object.__setattr__(self, "temperature", float(self.temperature))
         if self.validate not in VALIDATE_MODES:
             raise bad_argument("validate", " or ".join(map(repr, VALIDATE_MODES)), describe(self.validate))
         if self.per_token_rescale is not None:
             _require_bool("per_token_rescale", self.per_token_rescale)
         if self.call_loss_scale is not None and not callable(self.call_loss_scale):
-            raise bad_argument("call_loss_scale", "None or a callable taking the forward's arguments by name", describe(self.call_loss_scale))
+            raise bad_argument(
+                "call_loss_scale",
+                "None or a callable taking the forward's arguments by name",
+                describe(self.call_loss_scale),
+            )
 
     @property
     def compares_with_main_head(self) -> bool:
@@ -146,10 +161,12 @@ class Options:
         """Refuse options that the model's config leaves undefined."""
         if self.loss_scale is None and config.mtp_loss_scaling_factor is None:
             raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
-        if self.draft_steps is not None and self.draft_layers == "per_step" and self.draft_steps < config.mtp_num_layers:
+        per_step = self.draft_layers == "per_step"
+        if self.draft_steps is not None and per_step and self.draft_steps < config.mtp_num_layers:
             raise bad_argument(
                 "draft_steps",
-                f"None or an int >= the model's {config.mtp_num_layers} MTP layers (draft_layers='per_step': layer j is step j; "
+                f"None or an int >= the model's {config.mtp_num_layers} MTP layers "
+                "(draft_layers='per_step': layer j is step j; "
                 "draft_layers='first' trains fewer steps than layers)",
                 describe(self.draft_steps),
             )

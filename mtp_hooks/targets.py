@@ -80,8 +80,12 @@ def mtp_targets(
     if not isinstance(labels, Tensor) or labels.dim() != 2:
         raise bad_argument("labels", "a [b, s] integer tensor", describe(labels))
     if loss_mask is not None and (not isinstance(loss_mask, Tensor) or loss_mask.shape != labels.shape):
-        raise bad_argument("loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask))
-    return rolled_targets(labels, loss_mask, depth, packed_seq_params, cp_group, validate, roll_layout(packed_seq_params, cp_group))
+        raise bad_argument(
+            "loss_mask", f"None or a tensor shaped like labels {tuple(labels.shape)}", describe(loss_mask)
+        )
+    return rolled_targets(
+        labels, loss_mask, depth, packed_seq_params, cp_group, validate, roll_layout(packed_seq_params, cp_group)
+    )
 
 
 def rolled_targets(
@@ -97,7 +101,9 @@ def rolled_targets(
     ``packed_seq_params`` and ``cp_group``), which the hooks compute once per forward."""
     if packed_seq_params is not None and labels.shape[0] != 1:
         raise bad_argument("labels", "[1, t] for packed sequences (THD: batch 1, tokens along dim 1)", describe(labels))
-    mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_mask is None else loss_mask.float()
+    mask = (
+        torch.ones(labels.shape, dtype=torch.float32, device=labels.device) if loss_mask is None else loss_mask.float()
+    )
     if packed_seq_params is not None:
         mask = mask * _real_tokens(packed_seq_params, labels.shape[1], cp_group, labels.device, validate)
     out = []
@@ -156,10 +162,14 @@ def packed_layout(packed_seq_params: Any) -> Any:
         return packed_seq_params
     if padded.shape != unpadded.shape:
         raise bad_argument(
-            "packed_seq_params", "cu_seqlens_q_padded shaped like cu_seqlens_q", f"{tuple(padded.shape)} and {tuple(unpadded.shape)}"
+            "packed_seq_params",
+            "cu_seqlens_q_padded shaped like cu_seqlens_q",
+            f"{tuple(padded.shape)} and {tuple(unpadded.shape)}",
         )
     kv_padded = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
-    return dataclasses.replace(packed_seq_params, cu_seqlens_q=padded, cu_seqlens_kv=padded if kv_padded is None else kv_padded)
+    return dataclasses.replace(
+        packed_seq_params, cu_seqlens_q=padded, cu_seqlens_kv=padded if kv_padded is None else kv_padded
+    )
 
 
 def _without_empty_slots(layout: Any, cp_group: Any) -> Any:
@@ -173,7 +183,9 @@ def _without_empty_slots(layout: Any, cp_group: Any) -> Any:
     return layout if kept.numel() == bounds.numel() else dataclasses.replace(layout, cu_seqlens_q=kept)
 
 
-def _real_tokens(packed_seq_params: Any, length: int, cp_group: Any, device: torch.device, validate: Validate) -> Tensor:
+def _real_tokens(
+    packed_seq_params: Any, length: int, cp_group: Any, device: torch.device, validate: Validate
+) -> Tensor:
     """``[length]`` float: 1 at this rank's positions that hold a real token of some sequence.
 
     Computed on the device from the slot bounds (no host read of ``cu_seqlens``); a layout that
@@ -213,8 +225,16 @@ def _layout_error(bounds: Tensor, tokens: Tensor, slots: Tensor, length: int, cp
         slot = end - start
         if failed == "tokens" and not 0 <= count <= slot:
             return bad_argument(
-                "packed_seq_params", "sequence lengths (cu_seqlens_q) within their padded slots (cu_seqlens_q_padded)", f"{count} tokens in a slot of {slot}"
+                "packed_seq_params",
+                "sequence lengths (cu_seqlens_q) within their padded slots (cu_seqlens_q_padded)",
+                f"{count} tokens in a slot of {slot}",
             )
         if failed == "even" and (slot % (2 * cp) or start % cp):
-            return bad_argument("packed_seq_params", f"slots divisible into 2 * cp = {2 * cp} chunks", f"slot [{start}, {end})")
-    return bad_argument("packed_seq_params", f"slots within the {length} tokens of this rank", f"slots up to {int(bounds[-1])} over cp = {cp}")
+            return bad_argument(
+                "packed_seq_params", f"slots divisible into 2 * cp = {2 * cp} chunks", f"slot [{start}, {end})"
+            )
+    return bad_argument(
+        "packed_seq_params",
+        f"slots within the {length} tokens of this rank",
+        f"slots up to {int(bounds[-1])} over cp = {cp}",
+    )

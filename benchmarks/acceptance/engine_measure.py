@@ -13,7 +13,7 @@ the last one started):
 * the trainer predicts that acceptance from the variant's weights on the engine's own tokens, with
   the hooks under the engine's rule and schedule (``attach(draft_steps=k, draft_inputs="argmax",
   accept_rule="argmax", draft_layers="first")``: vLLM 0.32 runs MTP layer 1 for every step), by
-  ``mtp_hooks.testing.engine_replay``, with the hidden state vLLM's MiMo drafter reads (the target's
+  ``mtp_hooks.predict``, with the hidden state vLLM's MiMo drafter reads (the target's
   before the final norm, ``predicted_accept_j``) and with the one mcore trains the MTP layers on (after
   it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew.
 
@@ -40,7 +40,7 @@ from benchmarks.acceptance.settings import Setting, build_model
 from mtp_hooks.engine import VLLMSync, generate_greedy, start_vllm, stop_vllm
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
-from mtp_hooks.testing.engine_replay import predict_engine_acceptance
+from mtp_hooks.predict import predict_engine_acceptance
 
 FAMILY, LAYOUT = "mimo", "mimo"
 # vLLM 0.32's schedule and rule at T = 0: what the trainer predicts with.

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from mtp_hooks.errors import bad_argument
 from mtp_hooks.head import Head
+from mtp_hooks.models import find_language_model
 from mtp_hooks.ops.drafts import draft_tokens
 from mtp_hooks.options import Options
 from mtp_hooks.runtime.forward import Forward
@@ -138,7 +139,9 @@ def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dic
     if chain.draft_head is None:
         chain.draft_head = draft_head(forward.model, options.chunk_size)
     temperature = options.draft_temperature if options.draft_inputs == "sample" else None
-    kwargs["embedding"] = DraftEmbedding.of(kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature))
+    kwargs["embedding"] = DraftEmbedding.of(
+        kwargs["embedding"], step_drafts(chain.draft_head, kwargs["hidden_states"], temperature)
+    )
 
 
 def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
@@ -146,7 +149,9 @@ def draft_head(model: nn.Module, chunk_size: Optional[int]) -> Head:
     layer = model.output_layer
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else layer.weight
     head = Head.of(layer, weight, chunk_size)
-    head.require_reproducible("draft_inputs", "own drafts are chosen from the head's logits", "use draft_inputs='labels'")
+    head.require_reproducible(
+        "draft_inputs", "own drafts are chosen from the head's logits", "use draft_inputs='labels'"
+    )
     return head
 
 
@@ -155,7 +160,9 @@ def step_drafts(head: Head, hidden: Tensor, temperature: Optional[float]) -> Ten
     with torch.no_grad():
         full = head.input(hidden.detach())
         s, b = full.shape[0], full.shape[1]
-        tokens = draft_tokens(full.reshape(s * b, -1), head.weight.detach(), head.tp_group, head.chunk(s * b), temperature)
+        tokens = draft_tokens(
+            full.reshape(s * b, -1), head.weight.detach(), head.tp_group, head.chunk(s * b), temperature
+        )
     return tokens.view(s, b).t().contiguous()
 
 
@@ -172,9 +179,15 @@ def extra_steps(layer: nn.Module, kwargs: dict[str, Any], output: Any, count: in
     return hidden_states
 
 
+def check(model: nn.Module, options: Options) -> None:
+    """Refuse a chain the model (as ``attach`` was given it) cannot run (``check_chain``)."""
+    check_chain(find_language_model(model), options.draft_steps, options.draft_inputs, options.draft_layers)
+
+
 def check_chain(model: nn.Module, steps: Optional[int], inputs: str, draft_layers: str) -> None:
     """Refuse a chain the model cannot run, once at ``attach``."""
-    if (steps is None and inputs == "labels" and draft_layers == "per_step") or not getattr(model, "mtp_process", False):
+    mcore_depths = steps is None and inputs == "labels" and draft_layers == "per_step"  # no chain to check
+    if mcore_depths or not getattr(model, "mtp_process", False):
         return
     depth = model.config.mtp_num_layers
     layers = list(model.mtp.layers)
@@ -187,6 +200,8 @@ def check_chain(model: nn.Module, steps: Optional[int], inputs: str, draft_layer
     repeated = bool(getattr(model.config, "mtp_use_repeated_layer", False))
     if len(layers) != (1 if repeated else depth) or not getattr(model, "post_process", False):
         raise bad_argument(
-            "draft_steps", "every MTP layer on the pipeline stage of the output layer (the chain calls its step layer again)",
-            f"{len(layers)} of {depth} MTP layers on a stage {'with' if model.post_process else 'without'} the output layer",
+            "draft_steps",
+            "every MTP layer on the pipeline stage of the output layer (the chain calls its step layer again)",
+            f"{len(layers)} of {depth} MTP layers on a stage {'with' if model.post_process else 'without'} "
+            "the output layer",
         )

@@ -42,7 +42,10 @@ def defers(layer: nn.Module) -> bool:
     config = layer.__dict__.get("config")
     if not getattr(config, "defer_embedding_wgrad_compute", False):
         return False
-    return getattr(layer, "embedding_activation_buffer", None) is not None and getattr(layer, "grad_output_buffer", None) is not None
+    return (
+        getattr(layer, "embedding_activation_buffer", None) is not None
+        and getattr(layer, "grad_output_buffer", None) is not None
+    )
 
 
 def undeferred(config: Any) -> Any:

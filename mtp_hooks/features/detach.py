@@ -6,8 +6,8 @@
   the MTP layers' input, the embedding (``on_layer_pre``);
 * ``detach_head`` (or a config whose release detaches the heads, ``_mcore.config_detaches_heads``):
   the MTP heads multiply by a detached output weight (``mtp_head``);
-* ``check_wrappers``: the one pipeline case mcore's DDP cannot run with ``detach_encoder``, refused
-  at ``attach``.
+* ``check``: the one pipeline case mcore's DDP cannot run with ``detach_encoder``, refused at
+  ``attach``.
 """
 
 from __future__ import annotations
@@ -43,17 +43,11 @@ def layer_keywords(options: Options) -> tuple[str, ...]:
     return ("hidden_states", "embedding") if options.detach_encoder else ()
 
 
-def on_layer_pre(forward: Forward, layer: nn.Module, kwargs: dict[str, Any], between_depths: bool) -> None:
-    """An MTP layer call of a training forward: a detached embedding, detached trunk hidden states
-    (every depth's input with ``between_depths``), and a dynamic-CP micro-batch's own CP group for
-    the rolls."""
+def on_layer_pre(forward: Forward, kwargs: dict[str, Any], between_depths: bool) -> None:
+    """An MTP layer call of a training forward: a detached embedding and detached trunk hidden
+    states (every depth's input with ``between_depths``)."""
     if kwargs.get("embedding") is not None:
         kwargs["embedding"] = DetachedEmbedding(kwargs["embedding"])
-    dynamic_cp = getattr(kwargs.get("packed_seq_params"), "cp_group", None)
-    if dynamic_cp is not None and "cp_group" in layer.__dict__ and layer.__dict__["cp_group"] is not dynamic_cp:
-        # The micro-batch's own CP group for the shifted input ids (dynamic context parallelism),
-        # as verl's detached embedding path uses; restored when the MTP block returns.
-        forward.swap(layer, "cp_group", dynamic_cp)
     if forward.mtp_layer_calls == 0 or between_depths:
         # Depth 0: the trunk's hidden states (the block's own chunk 0, the main head's input,
         # stays attached). Later depths, with detach_between_depths: the previous depth's output.
@@ -61,9 +55,9 @@ def on_layer_pre(forward: Forward, layer: nn.Module, kwargs: dict[str, Any], bet
         kwargs["hidden_states"] = kwargs["hidden_states"].detach().requires_grad_(True)
 
 
-def check_wrappers(model: nn.Module, detach_encoder: bool) -> None:
+def check(model: nn.Module, options: Options) -> None:
     """Refuse, before anything is registered, ``detach_encoder`` where the wrappers ``attach`` was
-    given cannot run it.
+    given (``model``) cannot run it.
 
     On a pipeline stage after the first (PP > 1) with untied heads, the stage's copy of the word
     embeddings is kept by mcore for the MTP layers alone, so ``detach_encoder`` leaves it without a
@@ -77,7 +71,7 @@ def check_wrappers(model: nn.Module, detach_encoder: bool) -> None:
     """
     chain = wrapper_chain(model)
     language_model = chain[-1]
-    if not detach_encoder or not _embedding_copy_for_mtp_alone(language_model):
+    if not options.detach_encoder or not _embedding_copy_for_mtp_alone(language_model):
         return
     for wrapper in chain[:-1]:
         if not getattr(getattr(wrapper, "ddp_config", None), "overlap_grad_reduce", False):
@@ -92,8 +86,10 @@ def check_wrappers(model: nn.Module, detach_encoder: bool) -> None:
             "so detach_encoder leaves it without a gradient, and mcore's DDP with overlap_grad_reduce, whose schedule "
             "counts the last micro-batch's gradients (no grad_sync_func), then asserts from the second step\n"
             "  expected: the config's grad_sync_func set as Megatron's align_grad_reduce=True sets it (the default), "
-            "DistributedDataParallelConfig(overlap_grad_reduce=False), or detach_encoder=False on a pipeline stage after the first\n"
-            f"  received: detach_encoder=True under a {type(wrapper).__name__} with overlap_grad_reduce=True, no_sync_func set "
+            "DistributedDataParallelConfig(overlap_grad_reduce=False), or detach_encoder=False on a pipeline stage "
+            "after the first\n"
+            f"  received: detach_encoder=True under a {type(wrapper).__name__} with overlap_grad_reduce=True, "
+            "no_sync_func set "
             "and grad_sync_func None, on a stage without pre_process (pipeline_model_parallel_size > 1)"
         )
 

@@ -36,11 +36,13 @@ class Scoring:
 
 def begin(targets: Optional[MicroBatch], pending: Optional[MicroBatch]) -> Scoring:
     """The forward's scoring (model pre-hook): its targets' labels; a block's (``pending``) are
-    marked scored, so the block does not warn that they trained nothing."""
+    marked read, so the block does not warn that they trained nothing."""
     if targets is None:
-        raise bad_argument("labels", "labels for every forward with output='logprobs' (the main head scores them)", None)
+        raise bad_argument(
+            "labels", "labels for every forward with output='logprobs' (the main head scores them)", None
+        )
     if targets is pending:
-        targets.scored = True
+        targets.read = True
     return Scoring(targets.labels)
 
 
@@ -65,7 +67,9 @@ def on_head_post(scoring: Scoring, hidden: Tensor, output: Any) -> None:
 def head_logprobs(options: Options, head: Head, hidden: Tensor, labels: Tensor) -> TokenLogProbs:
     """The main head's log-probs of ``labels`` (and entropy), ``[b, s]``, from its input ``hidden``
     ``[s(/tp), b, h]``, without calling the output layer (so a head whose call does more is refused)."""
-    head.require_reproducible("output", "output='logprobs' computes the log-probs", "use output='logits' (the default) to keep it")
+    head.require_reproducible(
+        "output", "output='logprobs' computes the log-probs", "use output='logits' (the default) to keep it"
+    )
     full = head.input(hidden)
     s, b = full.shape[0], full.shape[1]
     out = lean_logprobs(

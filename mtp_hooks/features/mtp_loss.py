@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from mtp_hooks import _mcore
 from mtp_hooks.checks import check_loss_scale
 from mtp_hooks.features import deferral
+from mtp_hooks.features.packing import Packing
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import DepthSums, MTPMetrics, chain_sums
 from mtp_hooks.ops.lean_loss import KernelSpec, lean_mtp_loss
@@ -55,22 +56,33 @@ def forward_scale(options: Options, targets: MicroBatch, arguments: Mapping[str,
     return scale
 
 
-def attach(options: Options, forward: Forward, losses: Losses, head: Head, hidden: Tensor, depth: int) -> Tensor:
+def attach(
+    options: Options, forward: Forward, losses: Losses, head: Head, hidden: Tensor, depth: int, packed: Packing
+) -> Tensor:
     """The main head's call of a training forward: hang the ``depth`` steps' losses on it; returns the
     main chunk of ``hidden``, which carries them. ``head``: the output layer as the MTP heads use it
     (its weight detached where they must not train it, ``detach.mtp_head``); ``head.call`` is
-    ``own_head_call`` (dense path)."""
+    ``own_head_call`` (dense path); ``packed``: the forward's packing, which the targets roll by."""
     targets = forward.targets
     if targets is None:
         raise AssertionError("mtp_hooks: MTP losses asked for an inference forward")
     model = forward.model
-    batch = MTPBatch(targets.labels, targets.loss_mask, depth, forward.packed_seq_params, forward.packed_layout)
+    batch = MTPBatch(targets.labels, targets.loss_mask, depth, packed.params, packed.layout)
     scale = options.mtp_loss_scale(model.config)
     if losses.scale is not None:  # this micro-batch's multiplier
         scale = scale * losses.scale
     main, losses.metrics, losses.path = attach_mtp_losses(options, model, head, hidden, batch, scale)
     losses.attached = True
     return main
+
+
+def check_finished(losses: Losses) -> None:
+    """A training forward finished: its losses must hang on the main head's call."""
+    if not losses.attached:
+        raise AssertionError(
+            "mtp_hooks: a training micro-batch finished without MTP losses; the output layer never "
+            "received the MTP block's output (a path that bypasses module hooks?)"
+        )
 
 
 def count(losses: Losses, metrics: MTPMetrics, depth: int, track: bool, growth: Optional[_mcore.TrackerGrowth]) -> None:
@@ -115,7 +127,9 @@ def split_block_output(hidden: Tensor, depth: int) -> tuple[Tensor, ...]:
     """The MTP block's ``[(1+N)s, b, h]`` output as 1 + N equal chunks (main, depth 1, ..., N)."""
     chunks = torch.chunk(hidden, 1 + depth, dim=0)
     if len(chunks) != 1 + depth or chunks[-1].shape != chunks[0].shape:
-        raise AssertionError(f"mtp_hooks: output layer input {tuple(hidden.shape)} does not split into 1 + {depth} equal chunks")
+        raise AssertionError(
+            f"mtp_hooks: output layer input {tuple(hidden.shape)} does not split into 1 + {depth} equal chunks"
+        )
     return chunks
 
 
@@ -155,7 +169,9 @@ def attach_mtp_losses(
     if options.loss_impl == "dense" or not head.reproducible:
         main, sums = chunks[0], []
         for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
-            scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(ce, *rule, n, options.per_token_rescale)  # noqa: E731
+            scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(  # noqa: E731
+                ce, *rule, n, options.per_token_rescale
+            )
             objective, ce_sum, correct = _dense_depth_loss(model, head, chunk, labels_k, mask_k, scale)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
             sums.append((k, ce_sum, tokens[k], correct))
@@ -164,7 +180,8 @@ def attach_mtp_losses(
     teachers = None
     if options.compares_with_main_head:
         teachers = _main_head_inputs(head, chunks[0], depth, layout, cp_group)
-    objective, sums, path = _lean_loss(options, head, block_output[chunks[0].shape[0] :], chunks, targets, tokens, coefs, teachers)
+    depth_slab = block_output[chunks[0].shape[0] :]
+    objective, sums, path = _lean_loss(options, head, depth_slab, chunks, targets, tokens, coefs, teachers)
     return _mcore.MTPLossAutoScaler.apply(chunks[0], objective), sums, path
 
 
@@ -226,7 +243,9 @@ def _lean_loss(
 
     columns = [masked_sums(out.ce), masked_sums(out.correct)]
     if out.agree is not None and out.accept is not None:
-        columns += [masked_sums(out.agree), masked_sums(out.accept), *chain_sums(out.accept.view(depth, per_depth), masks)]
+        columns += [
+            masked_sums(out.agree), masked_sums(out.accept), *chain_sums(out.accept.view(depth, per_depth), masks)
+        ]
     sums: list[DepthSums] = [(k, columns[0][k], tokens[k], *(c[k] for c in columns[1:])) for k in range(depth)]
     return out.objective, sums, path if weight.requires_grad else "detached"
 

@@ -54,7 +54,8 @@ ENGINE_ACCEPT_RULES = {"vllm": "argmax", "sglang": "argmax"}
 VLLM_RULE_KEYS = ("rejection_sample_method", "draft_sample_method")
 
 __all__ = [
-    "ENGINE_ACCEPT_LENGTH", "ENGINE_ACCEPT_RATE", "ENGINE_ACCEPT_RULES", "NORMALIZATION_FACTOR_ATTR", "attach_engine_mtp",
+    "ENGINE_ACCEPT_LENGTH", "ENGINE_ACCEPT_RATE", "ENGINE_ACCEPT_RULES", "NORMALIZATION_FACTOR_ATTR",
+    "attach_engine_mtp",
     "draft_acceptance_metrics", "engine_draft_options", "verl_options",
 ]
 
@@ -68,7 +69,11 @@ def verl_options(model_config: Any, config: Any) -> dict[str, Any]:
     mtp = getattr(model_config, "mtp", None)
     detach_encoder = getattr(mtp, "detach_encoder", None)
     if not isinstance(detach_encoder, bool):
-        raise bad_argument("model_config", "verl's model config, whose .mtp (MtpConfig) has a bool detach_encoder", describe(model_config))
+        raise bad_argument(
+            "model_config",
+            "verl's model config, whose .mtp (MtpConfig) has a bool detach_encoder",
+            describe(model_config),
+        )
     legacy = not _mcore.PER_TOKEN_LOSS_RESCALED  # no process_mtp_loss: verl's own loop
     options: dict[str, Any] = dict(detach_encoder=detach_encoder, detach_head=legacy, per_token_rescale=True)
     if not legacy and getattr(config, "calculate_per_token_loss", False):
@@ -80,7 +85,9 @@ def normalization_factor(call: Mapping[str, Any]) -> Optional[float]:
     """verl's routed / loss token factor on this forward's ``packed_seq_params``, or ``None``."""
     factor = getattr(call.get("packed_seq_params"), NORMALIZATION_FACTOR_ATTR, None)
     if factor is not None and not factor > 0:
-        raise bad_argument(f"packed_seq_params.{NORMALIZATION_FACTOR_ATTR}", "a factor > 0 (routed / loss tokens)", describe(factor))
+        raise bad_argument(
+            f"packed_seq_params.{NORMALIZATION_FACTOR_ATTR}", "a factor > 0 (routed / loss tokens)", describe(factor)
+        )
     return factor
 
 
@@ -130,15 +137,28 @@ def engine_draft_options(rollout: Any) -> dict[str, Any]:
     name = getattr(rollout, "name", None)
     temperature = getattr(rollout, "temperature", None)
     if name not in ENGINE_ACCEPT_RULES:
-        raise bad_argument("rollout", f"verl's rollout config with name in {sorted(ENGINE_ACCEPT_RULES)} (the engines whose rule is known)", describe(name))
+        raise bad_argument(
+            "rollout",
+            f"verl's rollout config with name in {sorted(ENGINE_ACCEPT_RULES)} (the engines whose rule is known)",
+            describe(name),
+        )
     top_k = getattr(getattr(rollout, "mtp", None), "speculative_eagle_topk", 1)
     if name == "sglang" and top_k != 1:
-        raise bad_argument("rollout", "mtp.speculative_eagle_topk = 1 (SGLang's chain of argmax drafts)", describe(top_k))
+        raise bad_argument(
+            "rollout", "mtp.speculative_eagle_topk = 1 (SGLang's chain of argmax drafts)", describe(top_k)
+        )
     speculative = ((getattr(rollout, "engine_kwargs", None) or {}).get("vllm") or {}).get("speculative_config") or {}
     speculative = json.loads(speculative) if isinstance(speculative, str) else speculative  # verl takes either
-    changed = sorted(key for key in VLLM_RULE_KEYS if isinstance(speculative, Mapping) and speculative.get(key) is not None)
+    changed = sorted(
+        key for key in VLLM_RULE_KEYS if isinstance(speculative, Mapping) and speculative.get(key) is not None
+    )
     if name == "vllm" and changed:
-        raise bad_argument("rollout", f"vLLM's default verification (engine_kwargs.vllm.speculative_config without {' or '.join(VLLM_RULE_KEYS)})", changed)
+        raise bad_argument(
+            "rollout",
+            "vLLM's default verification "
+            f"(engine_kwargs.vllm.speculative_config without {' or '.join(VLLM_RULE_KEYS)})",
+            changed,
+        )
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise bad_argument("rollout", "a rollout temperature >= 0", describe(temperature))
     return {"accept_rule": ENGINE_ACCEPT_RULES[name], "draft_temperature": float(temperature)}
@@ -154,7 +174,9 @@ def rollout_draft_tokens(rollout: Any) -> int:
     return drafts
 
 
-def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engine: Mapping[str, Any], *, rollout: Any) -> dict[str, float]:
+def draft_acceptance_metrics(
+    trainer: Union[MTPHooks, Mapping[str, float]], engine: Mapping[str, Any], *, rollout: Any
+) -> dict[str, float]:
     """The trainer's expected draft acceptance beside the rollout engine's measured one, for one step.
 
     ``trainer``: ``MTPHooks`` (read with ``metrics(reset=False)``) or a dict they returned, with
@@ -186,7 +208,9 @@ def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engi
     if isinstance(trainer, MTPHooks):
         measured = {"accept_rule": trainer.options.accept_rule, "draft_temperature": trainer.options.draft_temperature}
         if measured != expected:
-            raise bad_argument("trainer", f"hooks measuring the {rollout.name} rollout's acceptance: {expected}", measured)
+            raise bad_argument(
+                "trainer", f"hooks measuring the {rollout.name} rollout's acceptance: {expected}", measured
+            )
         metrics: Any = trainer.metrics(reset=False)
     else:
         metrics = trainer
@@ -194,10 +218,16 @@ def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engi
         raise bad_argument("trainer", "MTPHooks or the dict of their metrics()", describe(trainer))
     depth = sum(1 for key in metrics if key.startswith("mtp_") and key.endswith("/tokens"))
     if draft_tokens not in {1, depth}:
-        raise bad_argument("rollout", f"1 or the trainer's MTP depth {depth} draft tokens per verification step", draft_tokens)
+        raise bad_argument(
+            "rollout", f"1 or the trainer's MTP depth {depth} draft tokens per verification step", draft_tokens
+        )
     key = "mtp_1/accept" if draft_tokens == 1 else "mtp/accept_len"
     if key not in metrics:
-        raise bad_argument("trainer", f"metrics with {key!r} (attach with agreement_metrics=True or a draft objective; a step with targets)", sorted(metrics))
+        raise bad_argument(
+            "trainer",
+            f"metrics with {key!r} (attach with agreement_metrics=True or a draft objective; a step with targets)",
+            sorted(metrics),
+        )
     out = {k: float(v) for k, v in metrics.items() if k.endswith("/accept") or k == "mtp/accept_len"}
     accepted = float(metrics[key])
     out["mtp/predicted_spec_accept_length"] = 1.0 + accepted
@@ -206,7 +236,9 @@ def draft_acceptance_metrics(trainer: Union[MTPHooks, Mapping[str, float]], engi
     if not any(present):
         return out
     if not all(present):
-        raise bad_argument("engine", f"verl's metrics with both {ENGINE_ACCEPT_RATE!r} and {ENGINE_ACCEPT_LENGTH!r}", sorted(engine))
+        raise bad_argument(
+            "engine", f"verl's metrics with both {ENGINE_ACCEPT_RATE!r} and {ENGINE_ACCEPT_LENGTH!r}", sorted(engine)
+        )
     rate, length = float(engine[ENGINE_ACCEPT_RATE]), float(engine[ENGINE_ACCEPT_LENGTH])
     out[ENGINE_ACCEPT_RATE], out[ENGINE_ACCEPT_LENGTH] = rate, length
     out["mtp/accept_rate_gap"] = rate - out["mtp/predicted_spec_accept_rate"]

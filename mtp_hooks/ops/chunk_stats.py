@@ -33,7 +33,13 @@ class ChunkStats:
     """
 
     def __init__(
-        self, logits: Tensor, teacher_logits: Optional[Tensor], local: Tensor, in_shard: Tensor, rule: DraftRule, group: ProcessGroup
+        self,
+        logits: Tensor,
+        teacher_logits: Optional[Tensor],
+        local: Tensor,
+        in_shard: Tensor,
+        rule: DraftRule,
+        group: ProcessGroup,
     ) -> None:
         shard, temperature = logits.shape[-1], rule.draft_temperature
         self.lse_teacher: Optional[Tensor] = None
@@ -99,7 +105,9 @@ class ChunkStats:
             tempered_log_sum = sums[picked + 3].log()
             q = draft_exp.div_(sums[picked + 3].unsqueeze(-1))
         draft_index, draft_in_shard = shard_targets(self.argmax, shard, group)
-        softmaxes = Softmaxes(p, q if rule.tempered_draft or temperature == 1.0 else None, q_untempered, draft_index, draft_in_shard)
+        softmaxes = Softmaxes(
+            p, q if rule.tempered_draft or temperature == 1.0 else None, q_untempered, draft_index, draft_in_shard
+        )
         if distill:
             softmaxes = softmaxes._replace(log_q_shifted=shifted, log_sum=tempered_log_sum)
         stats = draft_statistics(rule, softmaxes, group)

@@ -48,7 +48,8 @@ LossKind = Literal["ce", "target_argmax_ce", "distill", "tv", "min_overlap", "pr
 
 
 def check_temperature(name: str, value: Any, greedy: bool = False) -> float:
-    """``value`` as a float if it is a finite real > 0 (>= 0 with ``greedy``), else an ``MTPHooksError`` naming ``name``."""
+    """``value`` as a float if it is a finite real > 0 (>= 0 with ``greedy``), else an ``MTPHooksError``
+    naming ``name``."""
     positive = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
     if not positive or (value == 0 and not greedy):
         raise bad_argument(name, f"a finite float {'>=' if greedy else '>'} 0", describe(value))
@@ -71,19 +72,23 @@ class DraftRule:
             raise bad_argument("objective", f"one of {OBJECTIVES}", describe(self.objective))
         if self.accept_rule not in ACCEPT_RULES:
             raise bad_argument("accept_rule", f"one of {ACCEPT_RULES}", describe(self.accept_rule))
-        object.__setattr__(self, "draft_temperature", check_temperature("draft_temperature", self.draft_temperature, greedy=True))
+        object.__setattr__(
+            self, "draft_temperature", check_temperature("draft_temperature", self.draft_temperature, greedy=True)
+        )
         if self.greedy and self.objective in ("distill", "tv"):
             raise bad_argument(
                 "draft_temperature",
                 f"a float > 0 with objective={self.objective!r} (at T = 0 p and q are one-hot: "
-                "the objective is undefined or has no gradient; objective='accept' with accept_rule='argmax' trains argmax agreement)",
+                "the objective is undefined or has no gradient; objective='accept' with accept_rule='argmax' trains "
+                "argmax agreement)",
                 0.0,
             )
         if self.greedy and self.objective == "accept" and self.accept_rule != "argmax":
             raise bad_argument(
                 "draft_temperature",
-                f"a float > 0 with objective='accept' under accept_rule={self.accept_rule!r} (at T = 0 alpha is 0 or 1: "
-                "-log alpha has no gradient; accept_rule='argmax' trains the draft's cross-entropy against the target's argmax)",
+                f"a float > 0 with objective='accept' under accept_rule={self.accept_rule!r} "
+                "(at T = 0 alpha is 0 or 1: -log alpha has no gradient; accept_rule='argmax' trains the draft's "
+                "cross-entropy against the target's argmax)",
                 0.0,
             )
 

@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mtp_hooks.ops.vocab_parallel import ProcessGroup, all_reduce, first_argmax_candidates, group_max, group_rank, group_size
+from mtp_hooks.ops.vocab_parallel import (
+    ProcessGroup,
+    all_reduce,
+    first_argmax_candidates,
+    group_max,
+    group_rank,
+    group_size,
+)
 
 
 def gumbel_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
@@ -22,7 +29,9 @@ def gumbel_noise(rows: int, vocab: int, device: torch.device) -> Tensor:
 
 
 @torch.no_grad()
-def draft_tokens(hidden: Tensor, weight: Tensor, tp_group: ProcessGroup, chunk: int, temperature: Optional[float]) -> Tensor:
+def draft_tokens(
+    hidden: Tensor, weight: Tensor, tp_group: ProcessGroup, chunk: int, temperature: Optional[float]
+) -> Tensor:
     """Each row's draft token under the head ``weight`` ``[V/tp, h]``: ``hidden`` ``[n, h]`` -> ``[n]`` ids.
 
     ``temperature=None`` or 0 (greedy): the first argmax of the logits over the full vocabulary

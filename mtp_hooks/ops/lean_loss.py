@@ -134,7 +134,9 @@ class LeanMTPLoss(torch.autograd.Function):
         acc = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if fused else None
         teacher_weight = weight.detach()
         new = lambda dtype: torch.zeros(tokens, dtype=dtype, device=hidden.device)  # noqa: E731
-        lse, ce, loss, grad_lse, lse_teacher = new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype)
+        lse, ce, loss, grad_lse, lse_teacher = (
+            new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype), new(acc_dtype)
+        )
         aux, overlap, accept = new(acc_dtype), new(acc_dtype), new(acc_dtype)
         argmax, target_argmax, agree = new(torch.long), new(torch.long), new(torch.bool)
         # The hidden-state gradient made in forward carries the token weights where the head's dtype
@@ -144,7 +146,9 @@ class LeanMTPLoss(torch.autograd.Function):
         fold = hidden.dtype != torch.float16
         # fp16's fused accumulator takes its unit-weight gradient times the token weights relative to
         # the largest (the GEMM operands stay at unit scale); backward multiplies by that largest.
-        norm = token_weight.abs().amax().clamp(min=torch.finfo(acc_dtype).tiny) if fused and tokens and not fold else None
+        norm = (
+            token_weight.abs().amax().clamp(min=torch.finfo(acc_dtype).tiny) if fused and tokens and not fold else None
+        )
         relative = None if norm is None else token_weight / norm
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None
         logits_space = Workspace(acc_dtype, hidden.device)
@@ -155,10 +159,14 @@ class LeanMTPLoss(torch.autograd.Function):
             teacher_logits = None if teacher is None else teacher_space.product(teacher[rows], teacher_weight)
             chunk = ChunkStats(logits, teacher_logits, local[rows], in_shard[rows], rule, tp_group)
             del logits, teacher_logits
-            lse[rows], ce[rows], argmax[rows], loss[rows], grad_lse[rows] = chunk.lse, chunk.ce, chunk.argmax, chunk.loss, chunk.grad_lse
+            lse[rows], ce[rows], argmax[rows], loss[rows], grad_lse[rows] = (
+                chunk.lse, chunk.ce, chunk.argmax, chunk.loss, chunk.grad_lse
+            )
             if teacher is not None:
                 accept[rows], agree[rows], target_argmax[rows] = chunk.accept, chunk.agree, chunk.target_argmax
-                for saved, value in ((lse_teacher, chunk.lse_teacher), (aux, chunk.grad.aux), (overlap, chunk.grad.overlap)):
+                for saved, value in (
+                    (lse_teacher, chunk.lse_teacher), (aux, chunk.grad.aux), (overlap, chunk.grad.overlap)
+                ):
                     if value is not None:
                         saved[rows] = value
             if hidden_grad is not None or acc is not None:
@@ -185,7 +193,9 @@ class LeanMTPLoss(torch.autograd.Function):
             if rule.kind == "target_argmax_ce":  # the gradient's CE targets the teacher's argmax (T = 0)
                 local, in_shard = shard_targets(target_argmax, weight.shape[0], tp_group)
             target = teacher if rule.target_in_gradient else None
-            ctx.save_for_backward(hidden_grad, hidden, weight, target, local, in_shard, token_weight, grad_lse, lse_teacher, aux, overlap)
+            ctx.save_for_backward(
+                hidden_grad, hidden, weight, target, local, in_shard, token_weight, grad_lse, lse_teacher, aux, overlap
+            )
         else:
             ctx.save_for_backward(hidden_grad, None if fold else token_weight, acc, norm)
         ctx.mark_non_differentiable(ce, correct, agree, accept)
@@ -204,7 +214,9 @@ class LeanMTPLoss(torch.autograd.Function):
                 ctx.weight_grad.add_scaled_(acc, norm * upstream if norm is not None else upstream)
                 d_weight = ctx.weight_grad.result()
             return d_hidden, d_weight, *nones
-        hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, grad_lse, lse_teacher, aux, overlap = ctx.saved_tensors
+        (
+            hidden_grad, hidden, weight, teacher, local, in_shard, token_weight, grad_lse, lse_teacher, aux, overlap
+        ) = ctx.saved_tensors
         rule: DraftRule = ctx.rule
         upstream = grad_objective.to(grad_lse.dtype)
         scaled = token_weight * upstream
@@ -221,7 +233,9 @@ class LeanMTPLoss(torch.autograd.Function):
             q = _tempered(q_space.product(hidden, weight[cols]), rule.q_temperature).sub_(grad_lse.unsqueeze(-1)).exp_()
             p = None
             if teacher is not None:
-                p = _tempered(p_space.product(teacher, weight[cols]), rule.draft_temperature).sub_(lse_teacher.unsqueeze(-1)).exp_()
+                p = _tempered(p_space.product(teacher, weight[cols]), rule.draft_temperature).sub_(
+                    lse_teacher.unsqueeze(-1)
+                ).exp_()
             grad = logit_grad(rule, GradInputs(q, p, local, in_shard, aux, overlap), scaled, first)
             del q, p
             ctx.weight_grad.add_rows_(cols, grad, hidden, q_space)
@@ -269,7 +283,9 @@ def lean_mtp_loss(
     if not isinstance(rule, DraftRule):
         raise bad_argument("rule", "a DraftRule", describe(rule))
     if rule.needs_teacher and teacher is None:
-        raise bad_argument("teacher", f"the main head's input: objective {rule.objective!r} compares the draft with it", None)
+        raise bad_argument(
+            "teacher", f"the main head's input: objective {rule.objective!r} compares the draft with it", None
+        )
     result, ce, correct, agree, accept = LeanMTPLoss.apply(hidden, weight, labels, token_weight, teacher, spec, rule)
     if teacher is None:
         return HeadLoss(result, ce, correct, None, None)

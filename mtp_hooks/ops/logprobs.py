@@ -142,7 +142,9 @@ class LeanLogProbs(torch.autograd.Function):
                 grad = q.mul_(grad_logprobs).neg_()
             index = local - first
             inside = in_shard & (index >= 0) & (index < grad.shape[-1])
-            grad.scatter_add_(-1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1))
+            grad.scatter_add_(
+                -1, index.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), grad_logprobs * inside.unsqueeze(-1)
+            )
             if ctx.temperature != 1.0:
                 grad.div_(ctx.temperature)
             if d_hidden is not None:
@@ -169,7 +171,9 @@ def lean_logprobs(
     main_grad_protocol: bool = False,
 ) -> TokenLogProbs:
     """Functional form of ``LeanLogProbs``; entropy is ``None`` unless ``with_entropy``."""
-    logprobs, entropy = LeanLogProbs.apply(hidden, weight, labels, tp_group, chunk_size, temperature, with_entropy, main_grad_protocol)
+    logprobs, entropy = LeanLogProbs.apply(
+        hidden, weight, labels, tp_group, chunk_size, temperature, with_entropy, main_grad_protocol
+    )
     return TokenLogProbs(logprobs, entropy if with_entropy else None)
 
 

@@ -34,7 +34,9 @@ def add_product_(main_grad: Tensor, grad: Tensor, hidden: Tensor) -> None:
         main_grad.add_(grad.t() @ hidden.to(grad.dtype))
 
 
-def placeholder_grad(weight: Tensor, main_grad: Tensor, dtype: torch.dtype, spent: Optional[Tensor] = None) -> Optional[Tensor]:
+def placeholder_grad(
+    weight: Tensor, main_grad: Tensor, dtype: torch.dtype, spent: Optional[Tensor] = None
+) -> Optional[Tensor]:
     """What mcore's output layer returns as the weight's gradient once it used ``main_grad``.
 
     Sets ``weight.grad_added_to_main_grad`` where the weight has it (mcore DDP) and returns zeros

@@ -102,7 +102,11 @@ class Flight(Generic[F]):
         owner = None if self.current is None else self.current.thread
         if owner == me and forwards_on_stack(model, me, 2) > 1:
             self._refused += 1
-            raise bad_state("model", "no forward of this model in flight when it is called", "a forward started inside another forward of it (nested forwards are not supported)")
+            raise bad_state(
+                "model",
+                "no forward of this model in flight when it is called",
+                "a forward started inside another forward of it (nested forwards are not supported)",
+            )
         if owner is not None and owner != me and forwards_on_stack(model, owner, 1):
             raise other_thread("model", "a forward")
         self.recover_abandoned(inside_forward=True)

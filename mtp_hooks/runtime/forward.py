@@ -43,14 +43,11 @@ class Forward:
     thread: int
     exception: Optional[BaseException]  # ``sys.exc_info()[1]`` when the forward started
     targets: Optional[MicroBatch] = None  # set for a training forward only
-    packed_seq_params: Any = None
-    packed_layout: Any = None  # ``targets.packed_layout`` of ``packed_seq_params``, read once (MTP block pre-hook)
     recompute: bool = False  # a checkpoint recompute of a forward that trained (and was counted) already
     window: Optional[Originals] = None  # set while the model is not stock
     main_pending: bool = False  # the window just closed: the next output-layer call is the main head's
     block_output: Optional[Tensor] = None  # the MTP block's output, matched by identity
     mtp_layer_calls: int = 0
-    output_weight: Optional[Tensor] = None  # an inference forward's tied weight on a later stage (``hooks.on_decoder_post``)
     # Attributes of MTP layers swapped for the MTP block's run (module, name, original), restored
     # when the block returns or, if it raised, when the window closes.
     swaps: list[tuple[nn.Module, str, Any]] = dataclasses.field(default_factory=list)

@@ -43,7 +43,9 @@ def _nested_code(outer: Optional[CodeType], name: str) -> Optional[CodeType]:
 _function = getattr(_checkpoint, "CheckpointFunction", None)
 _NON_REENTRANT_FORWARD = _code(getattr(_checkpoint, "checkpoint", None))
 _NON_REENTRANT_GENERATOR = _code(getattr(_checkpoint, "_checkpoint_without_reentrant_generator", None))
-_NON_REENTRANT_RECOMPUTE = _nested_code(_code(getattr(getattr(_checkpoint, "_checkpoint_hook", None), "__init__", None)), "unpack_hook")
+_NON_REENTRANT_RECOMPUTE = _nested_code(
+    _code(getattr(getattr(_checkpoint, "_checkpoint_hook", None), "__init__", None)), "unpack_hook"
+)
 _REENTRANT_FORWARD = _code(getattr(_function, "forward", None))
 _REENTRANT_RECOMPUTE = _code(getattr(_function, "backward", None))
 # Whether the installed torch lays its checkpoint out as read here (pinned by a test). If not, no
@@ -87,7 +89,11 @@ def enclosing_regions() -> Regions:
             return Regions(forward, Region(local["frame"], False, local.get("gid")))
         elif code is _NON_REENTRANT_FORWARD:
             gen = frame.f_locals.get("gen")
-            if gen is not None and getattr(gen, "gi_code", None) is _NON_REENTRANT_GENERATOR and gen.gi_frame is not None:
+            if (
+                gen is not None
+                and getattr(gen, "gi_code", None) is _NON_REENTRANT_GENERATOR
+                and gen.gi_frame is not None
+            ):
                 new_frame = gen.gi_frame.f_locals.get("new_frame")
                 if new_frame is not None:
                     forward.append(Region(new_frame, False))

@@ -3,7 +3,7 @@
 A MiMo counting target (``mtp_hooks.testing.engine_models``) with two MTP layers: layer 1 a perfect
 draft ("copy"), layer 2 a random one. vLLM drafting k = 2 tokens at T = 0 accepts [1, 1] per
 position: its proposer runs layer 1 for every step and never layer 2. The trainer predicts the
-engine's per-position acceptance on the engine's own tokens (``mtp_hooks.testing.engine_replay``,
+engine's per-position acceptance on the engine's own tokens (``mtp_hooks.predict``,
 hooks with ``draft_steps=2, draft_inputs="argmax", accept_rule="argmax"``): with
 ``draft_layers="first"`` the prediction equals the engine's counts; with ``"per_step"`` (layer j
 runs step j, SGLang's schedule) position 2 is the random layer's, far below the engine's.
@@ -20,7 +20,7 @@ import torch
 import mtp_hooks
 from mtp_hooks.engine import generate_greedy
 from mtp_hooks.testing import engine_models as em
-from mtp_hooks.testing.engine_replay import Replay, predict_engine_acceptance
+from mtp_hooks.predict import Replay, predict_engine_acceptance
 
 PROMPTS = em.counting_prompts(4)
 TOKENS = 32

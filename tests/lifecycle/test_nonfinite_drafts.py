@@ -11,7 +11,7 @@ the forward. One process, then TP = 2 on two gloo ranks.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -114,12 +114,6 @@ def scenario_tensor_parallel_faults(fault: str) -> list[float]:
     metrics = hooks.metrics()
     assert parallel_state.get_tensor_model_parallel_world_size() == 2
     return [metrics[f"mtp_{k}/loss"] for k in range(1, 4)]
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 def scenario_tensor_parallel_nan_draft() -> list[int]:

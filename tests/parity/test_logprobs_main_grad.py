@@ -190,7 +190,8 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
 
     from mtp_hooks.testing import cuda_calls_on_cpu
     from tests.support.megatron_loop import cuda_stream_on_cpu
-    from tests.distributed.test_parallel import _pipeline_chunks, _run_schedule
+    from tests.distributed.test_parallel import _pipeline_chunks
+    from tests.support.pipeline_schedule import run_schedule
 
     overrides = {"gradient_accumulation_fusion": True, "batch_p2p_comm": False, "sequence_parallel": sequence_parallel}
     shape = TinyGPT(vocab_size=VOCAB, num_layers=2, tied=tied, config_overrides=overrides)
@@ -226,7 +227,7 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
                 logprobs, _ = token_logprobs_from_logits(full, batch.labels, 1.0)
                 return per_token, lambda _unused: loss_of(batch, logprobs)
 
-            _run_schedule([stock], batches, stock_step)
+            run_schedule([stock], batches, stock_step)
 
         def hooked_step(model: nn.Module, batch: Batch) -> tuple[Tensor, Any]:
             if not last:
@@ -235,7 +236,7 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
                 out = model(*batch.model_args)
             return out.logprobs, partial(loss_of, batch)
 
-        _run_schedule([hooked], batches, hooked_step)
+        run_schedule([hooked], batches, hooked_step)
         expected = main_grads(stock_chunk)
         head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
         if head in expected:
@@ -243,12 +244,6 @@ def scenario_logprobs_main_grads(tied: bool, sequence_parallel: bool) -> dict[st
         assert_same_main_grads(main_grads(hooked_chunk), expected, atol=1e-5, rtol=1e-4)
         hooks.remove()
     return {"last_stage": bool(last)}
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 def test_pipeline_tied_head_main_grads_equal_stock(group: SpawnedGroup) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -78,12 +78,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         mode = parity_mode(metafunc.config)
         cases = single_process_cases(mode) + two_rank_cases(mode)
         metafunc.parametrize("case", [pytest.param(case, id=case.id) for case in cases])
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 def test_hooked_matches_stock(case: Case, request: pytest.FixtureRequest) -> None:

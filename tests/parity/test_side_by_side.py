@@ -9,6 +9,7 @@ hooks knowingly differ (a depth without targets) the test pins the difference.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -261,6 +262,30 @@ def test_packed_sequences_differ_from_unpacked() -> None:
     assert tokens["packed"] == mask[1:].sum() - mask[5] - mask[9]  # targets at the first tokens of sequences 2, 3
     weight = "mtp.layers.0.eh_proj.weight"
     assert not torch.allclose(grads_of(packed)[weight], grads_of(unpacked)[weight])
+
+
+@needs_packed_mtp
+@pytest.mark.parametrize("detach_encoder", [False, True], ids=["attached", "detach_encoder"])
+def test_a_packed_batchs_own_cp_group_rolls_the_mtp_layers_inputs(detach_encoder: bool) -> None:
+    """Dynamic CP (``packed_seq_params.cp_group``): the MTP layers roll their input ids with the batch's own
+    group while the block runs, with or without ``detach_encoder``, as the targets roll (``_mcore.cp_group_of``),
+    and have their own group back after the forward. (One rank: the values are the same either way; what is
+    pinned is the group.)"""
+    dynamic = torch.distributed.new_group([0], backend="gloo")
+    model = TWIN_SHAPE.build()
+    batch, params = packed_batch()
+    layers = list(model.mtp.layers)
+    static = [layer.cp_group for layer in layers]
+    seen: list[list[Any]] = []
+    model.embedding.register_forward_pre_hook(lambda module, args: seen.append([layer.cp_group for layer in layers]))
+    hooks = mtp_hooks.attach(model, detach_encoder=detach_encoder)
+    with hooks.micro_batch(batch.labels, batch.loss_mask):
+        logits = model(*batch.model_args, packed_seq_params=dataclasses.replace(params, cp_group=dynamic))
+    masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+    before_block, in_block = seen[0], seen[1:]  # the decoder's embedding call, then MTP layer k's (its k-th)
+    assert all(group is own for group, own in zip(before_block, static))
+    assert len(in_block) == len(layers) and all(groups[k] is dynamic for k, groups in enumerate(in_block))
+    assert all(layer.cp_group is own for layer, own in zip(layers, static))
 
 
 # --------------------------------------------------------------- masks with nothing to learn

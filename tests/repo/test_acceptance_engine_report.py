@@ -16,7 +16,7 @@ from benchmarks.acceptance import engine_report
 from benchmarks.acceptance.engine_measure import record_row
 from benchmarks.acceptance.engine_run import engine_options
 from mtp_hooks.engine import EngineAcceptance, SpecDecodeCounts
-from mtp_hooks.testing.engine_replay import Replay, replay
+from mtp_hooks.predict import Replay, replay
 
 
 def _fields(k: int, engine: list[float], predicted: list[float], same: bool = True) -> dict[str, list[Any]]:

@@ -15,7 +15,7 @@ backward. Pinned here, for every objective:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -360,12 +360,6 @@ def scenario_fused_vocab_parallel(objective: str) -> None:
         assert_close(weight.grad, ref_weight.grad[rows], f"{weight_grad}: weight grad shard", **tol)
         grads[weight_grad] = (hidden.grad, weight.grad)
     torch.testing.assert_close(grads["fused"], grads["recompute"], atol=1e-14, rtol=1e-12)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

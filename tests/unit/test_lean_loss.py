@@ -224,22 +224,17 @@ def test_all_zero_token_weights_give_zero_objective_and_zero_gradients() -> None
 
 
 @pytest.mark.parametrize("chunk_size", [3, TOKENS + 7])
-def test_detached_head_weight_gets_no_gradient_and_hidden_gradient_is_unchanged(chunk_size: int) -> None:
-    case = make_case(seed=7)
-    lean = run_lean(case, chunk_size, weight_grad=False)
+@pytest.mark.parametrize("frozen", ["weight", "hidden"], ids=["detached_head_weight", "hidden_without_grad"])
+def test_an_input_without_grad_gets_no_gradient_and_the_other_ones_gradient_is_unchanged(chunk_size: int, frozen: str) -> None:
+    """A detached head weight (``detach_head``) leaves the hidden gradient as dense's, and a hidden
+    state without grad still gives the weight gradient."""
+    case = make_case(seed=7 if frozen == "weight" else 8)
+    lean = run_lean(case, chunk_size, hidden_grad=frozen != "hidden", weight_grad=frozen != "weight")
     dense = run_dense(case)
-    assert lean[4].grad is None
+    frozen_at, trained_at, trained = (4, 3, "hidden") if frozen == "weight" else (3, 4, "weight")
+    assert lean[frozen_at].grad is None
     assert_close(lean[0], dense[0], "objective")
-    assert_close(lean[3].grad, dense[3].grad, "hidden grad")
-
-
-@pytest.mark.parametrize("chunk_size", [3, TOKENS + 7])
-def test_hidden_without_grad_still_gives_the_weight_gradient(chunk_size: int) -> None:
-    case = make_case(seed=8)
-    lean = run_lean(case, chunk_size, hidden_grad=False)
-    dense = run_dense(case)
-    assert lean[3].grad is None
-    assert_close(lean[4].grad, dense[4].grad, "weight grad")
+    assert_close(lean[trained_at].grad, dense[trained_at].grad, f"{trained} grad")
 
 
 def test_lean_saves_no_logits_sized_tensor_for_backward() -> None:

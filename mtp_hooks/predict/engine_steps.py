@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtp_hooks import _mcore
+from mtp_hooks.models import mtp_layer_body
+from mtp_hooks.predict.head import head_argmax
 
-__all__ = ["engine_step_drafts", "head_argmax"]
+__all__ = ["engine_step_drafts"]
 
 
 def _project(layer: nn.Module, embedded: Tensor, hidden: Tensor) -> Tensor:
@@ -34,7 +35,7 @@ def _project(layer: nn.Module, embedded: Tensor, hidden: Tensor) -> Tensor:
 
 def _body(model: nn.Module, layer: nn.Module, inputs: Tensor) -> Tensor:
     """The MTP layer's transformer layer and final norm over ``[L, n, h]`` causal sequences."""
-    body = getattr(layer, _mcore.mtp_layer_body_name(layer))
+    body = mtp_layer_body(layer)
     rotary = getattr(model, "rotary_pos_emb", None)
     kwargs: dict[str, Any] = {"hidden_states": inputs, "attention_mask": None}
     if rotary is not None:
@@ -43,14 +44,10 @@ def _body(model: nn.Module, layer: nn.Module, inputs: Tensor) -> Tensor:
     return layer.final_layernorm(out[0] if isinstance(out, tuple) else out)
 
 
-def head_argmax(model: nn.Module, hidden: Tensor) -> Tensor:
-    """The main head's greedy pick (its weight, fp32) for each row of ``hidden``: a draft token."""
-    weight = model.output_layer.weight.detach()
-    return (hidden.float() @ weight.float().t()).argmax(-1)
-
-
 @torch.no_grad()
-def engine_step_drafts(model: nn.Module, step1_inputs: Tensor, step1_outputs: Tensor, steps: int, first: int, chunk: int = 256) -> Tensor:
+def engine_step_drafts(
+    model: nn.Module, step1_inputs: Tensor, step1_outputs: Tensor, steps: int, first: int, chunk: int = 256
+) -> Tensor:
     """``[steps, b, s]`` draft token ids: step j's draft from the start at position ``p`` (it drafts the
     token at ``p + j + 1``), for ``p >= first``; -1 elsewhere. ``step1_inputs`` / ``step1_outputs``:
     ``[s, b, h]``, the first MTP layer's body input and output of a teacher-forced forward."""

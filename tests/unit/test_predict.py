@@ -1,6 +1,7 @@
-"""``mtp_hooks.testing.engine_replay`` without an engine: which hidden state the first MTP layer reads in the
-prediction (the decoder's output after the final norm, as mcore trains it, or the norm's input, as vLLM's MiMo
-drafter reads it), and the hits on a model whose drafts are known."""
+"""``mtp_hooks.predict`` without an engine: which hidden state the first MTP layer reads in the prediction (the
+decoder's output after the final norm, as mcore trains it, or the norm's input, as vLLM's MiMo drafter reads it),
+the hits on a model whose drafts are known, the hooks' plan of which layer runs each step, and a model whose head
+is tied to its embedding."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 
 import mtp_hooks
+from mtp_hooks.models import mtp_layer_body
+from mtp_hooks.predict import draft_hits, engine_step_drafts, predict_engine_acceptance
+from mtp_hooks import testing
 from mtp_hooks.testing import engine_models as em
-from mtp_hooks.testing.engine_drafts import engine_step_drafts
-from mtp_hooks.testing.engine_replay import draft_hits
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 RULE: dict[str, Any] = dict(draft_inputs="argmax", accept_rule="argmax", draft_layers="first", agreement_metrics=True)
@@ -88,7 +90,7 @@ def _step1_states(model: nn.Module, sequences: torch.Tensor) -> tuple[torch.Tens
     """MTP layer 1's body input and its output in one teacher-forced forward of ``sequences``."""
     seen: dict[str, torch.Tensor] = {}
     layer = model.mtp.layers[0]
-    body = getattr(layer, "mtp_model_layer", None) or layer.transformer_layer
+    body = mtp_layer_body(layer)
 
     def body_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         seen.setdefault("inputs", kwargs["hidden_states"].detach())
@@ -132,3 +134,66 @@ def test_engine_geometry_needs_the_first_layer_schedule() -> None:
             draft_hits(model, hooks, torch.tensor(em.counting_prompts(2, 12)), prompt=4, geometry="engine")
     finally:
         hooks.remove()
+
+
+@pytest.mark.parametrize(
+    ("options", "plan"),
+    [
+        (dict(draft_layers="first", draft_steps=3), (0, 0, 0)),  # vLLM 0.32: layer 1 drafts every step
+        (dict(draft_layers="per_step", draft_steps=3), (0, 1, 1)),  # mcore's depths, then the last layer
+        (dict(draft_layers="per_step"), (0, 1)),
+        (dict(draft_layers="first"), (0, 0)),
+    ],
+)
+def test_draft_plan_names_the_layer_of_each_step(options: dict[str, Any], plan: tuple[int, ...]) -> None:
+    model = em.shape("mimo", 2).build(seed=5)
+    hooks = mtp_hooks.attach(model, **{**RULE, **options})
+    try:
+        assert hooks.draft_plan() == plan and len(plan) == hooks.depth
+    finally:
+        hooks.remove()
+    with pytest.raises(mtp_hooks.MTPHooksStateError, match="draft_plan"):
+        hooks.draft_plan()
+
+
+def test_per_step_plan_past_the_block_replays_the_hooks_own_steps() -> None:
+    """Steps 1..2 are the block's calls of layers 1 and 2, step 3 the chain's call of layer 2 after it:
+    ``draft_hits`` picks those outputs and checks each step against the hooks' ``mtp_j/acc``."""
+    model = em.shape("mimo", 2).build(seed=5)
+    sequences = torch.randint(2, em.VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    hooks = mtp_hooks.attach(model, draft_steps=3, **{**RULE, "draft_layers": "per_step"})
+    try:
+        hits, _ = draft_hits(model, hooks, sequences, prompt=4)
+    finally:
+        hooks.remove()
+    assert hits.shape == (3, 2, 12)
+
+
+def _tied_and_untied_twin() -> tuple[nn.Module, nn.Module]:
+    """A model whose head is its embedding (``share_embeddings_and_output_weights``: its output layer holds no
+    weight) and an untied twin with the same weights, its output layer a copy of the embedding. A vocabulary of 8
+    tokens, so that random drafts hit often."""
+    tied = testing.TinyQwen(vocab_size=8, tied=True).build(seed=5)
+    untied = testing.TinyQwen(vocab_size=8, tied=False).build(seed=5)
+    assert tied.output_layer.weight is None
+    untied.load_state_dict(tied.state_dict(), strict=False)
+    with torch.no_grad():
+        untied.output_layer.weight.copy_(tied.embedding.word_embeddings.weight)
+    return tied, untied
+
+
+@pytest.mark.parametrize("geometry", ["chain", "engine"])
+def test_tied_embeddings_predict_with_the_embedding_as_the_head(geometry: str) -> None:
+    """The prediction on a tied model is the one on its untied twin (the head's weight is the embedding's), and
+    its drafts' hits match the hooks' own ``mtp_j/acc`` (``draft_hits`` checks)."""
+    sequences = torch.randint(0, 8, (4, 16), generator=torch.Generator().manual_seed(2))
+    prompts, tokens = sequences[:, :4].tolist(), sequences[:, 4:].tolist()
+    replays = []
+    for model in _tied_and_untied_twin():
+        hooks = mtp_hooks.attach(model, draft_steps=3, **RULE)
+        try:
+            replays.append(predict_engine_acceptance(model, hooks, prompts, tokens, max_tokens=9, geometry=geometry))
+        finally:
+            hooks.remove()
+    assert replays[0] == replays[1]
+    assert replays[0].accepted_per_position[0] > 0
