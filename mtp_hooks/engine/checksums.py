@@ -15,7 +15,7 @@ Compare tensors in one dtype: cast the trainer's fp32 tensor to the engine's bf1
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, Union
 
 import torch
 from torch import Tensor
@@ -50,7 +50,9 @@ def tensor_checksum(tensor: Tensor) -> Tensor:
     return total
 
 
-def checksums(pairs: Iterable[tuple[str, Tensor]], dtype: Union[None, torch.dtype, Mapping[str, torch.dtype]] = None) -> dict[str, int]:
+def checksums(
+    pairs: Iterable[tuple[str, Tensor]], dtype: Union[None, torch.dtype, Mapping[str, torch.dtype]] = None
+) -> dict[str, int]:
     """``{name: checksum}`` of ``(name, tensor)`` pairs, each cast to ``dtype`` first (one for all, or
     one per name; ``None``: as they are).
 

@@ -12,18 +12,21 @@ right. Which tensors, and how, depends on the backend vLLM picked for the machin
   releases ``kv_b_proj.weight``.
 
 ``expected_mla`` re-derives them from the pushed ``kv_b_proj`` (cast to the engine's dtype) and
-``prove_mla`` compares them, bit for bit, with what the engine holds after the push.
+``prove_mla`` compares them, bit for bit, with what the engine holds after the push; ``prove_pushed`` does
+it for every MLA layer whose ``kv_b_proj`` a push wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MLA_BACKENDS", "DerivedMismatch", "expected_mla", "is_mla", "mla_backends", "prove_mla"]
+from mtp_hooks.engine.ledger import Write
+
+__all__ = ["MLA_BACKENDS", "DerivedMismatch", "expected_mla", "is_mla", "mla_backends", "prove_mla", "prove_pushed"]
 
 MLA_BACKENDS = ("generic", "amx")
 _PLACES = {"generic": ("W_UK_T", "W_UV"), "amx": ("impl._w_uk_packed", "impl._w_uv_packed")}
@@ -92,13 +95,50 @@ def prove_mla(layer: str, attention: nn.Module, kv_b_proj: Tensor) -> list[Deriv
     backends = mla_backends(attention)
     if not backends:
         impl = type(getattr(attention, "impl", None)).__name__
-        return [DerivedMismatch(layer, "*", f"an MLA backend whose derived weights are not known here ({impl}); known: {MLA_BACKENDS}")]
+        return [
+            DerivedMismatch(
+                layer, "*", f"an MLA backend whose derived weights are not known here ({impl}); known: {MLA_BACKENDS}"
+            )
+        ]
     found = []
     for backend in backends:
         held_dtype = next(t.dtype for t in (_held(attention, p) for p in _PLACES[backend]) if t is not None)
         for place, expected in expected_mla(backend, kv_b_proj.to(held_dtype), attention).items():
             held = _held(attention, place)
-            same = held is not None and held.shape == expected.shape and torch.equal(held, expected.to(device=held.device, dtype=held.dtype))
+            same = (
+                held is not None
+                and held.shape == expected.shape
+                and torch.equal(held, expected.to(device=held.device, dtype=held.dtype))
+            )
             if not same:
-                found.append(DerivedMismatch(layer, place, f"not derived from the pushed kv_b_proj ({backend} backend)"))
+                found.append(
+                    DerivedMismatch(layer, place, f"not derived from the pushed kv_b_proj ({backend} backend)")
+                )
     return found
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    assert isinstance(found, torch.dtype), name
+    return found
+
+
+def prove_pushed(
+    model: nn.Module, pairs: Sequence[tuple[str, Tensor]], writes: Sequence[Write]
+) -> tuple[list[str], list[str]]:
+    """Re-derive every MLA layer's runtime weights from its pushed ``kv_b_proj``: (backends, mismatches)."""
+    tensors = dict(pairs)
+    by_parameter = {w.parameter: w for w in writes}
+    backends: list[str] = []
+    mismatches: list[str] = []
+    for prefix, module in model.named_modules():
+        if not is_mla(module):
+            continue
+        owner = next((p for p, m in model.named_modules() if m is module.kv_b_proj), None)
+        write = by_parameter.get(f"{owner}.weight") if owner is not None else None
+        if write is None:
+            continue
+        backends += [b for b in mla_backends(module) if b not in backends]
+        pushed = tensors[write.name].to(_dtype(write.dtype))
+        mismatches += [f"{m.layer}.{m.tensor}: {m.reason}" for m in prove_mla(prefix, module, pushed)]
+    return backends, mismatches

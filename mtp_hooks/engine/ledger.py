@@ -53,7 +53,10 @@ def _stale(name: str, expected: str, received: str, reason: str, write: Optional
             "checkpoint's MTP index plus an offset), and stacks q/k/v, gate/up and experts into one parameter; "
             "the pushed name is the checkpoint's)"
         )
-    return StaleDraftError(f"{name}: the engine's draft is not the trainer's\n  expected: {expected}\n  received: {received}\n  {reason}{naming}")
+    return StaleDraftError(
+        f"{name}: the engine's draft is not the trainer's\n"
+        f"  expected: {expected}\n  received: {received}\n  {reason}{naming}"
+    )
 
 
 def compare(
@@ -87,13 +90,16 @@ def compare(
         for index, write in enumerate(writes):
             where = f"the engine's {write.parameter or 'parameter'} view {write.shape} ({write.dtype})"
             if _numel(write.shape) != _numel(shapes[name]):
-                raise _stale(name, trained, f"{where}: another size", "the trainer's tensor changed shape since the push", write)
+                raise _stale(
+                    name, trained, f"{where}: another size", "the trainer's tensor changed shape since the push", write
+                )
             if write.loaded != checksum:
                 raise _stale(
                     name,
                     trained,
                     f"checksum {write.loaded} ({where}, as the last push wrote it)",
-                    "the trainer's tensor changed since the last push: an optimizer step without a push, or a push of other weights",
+                    "the trainer's tensor changed since the last push: "
+                    "an optimizer step without a push, or a push of other weights",
                     write,
                 )
             now = live.get((name, index))

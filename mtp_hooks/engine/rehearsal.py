@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Rehearsal", "rehearse"]
+__all__ = ["Rehearsal", "refusal", "rehearse"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +128,16 @@ def rehearse(model: nn.Module, pairs: Sequence[tuple[str, Tensor]]) -> Rehearsal
         loaders = {i: p.__dict__.get("weight_loader") for i, p in parameters.items()}
 
         def recording(parameter: Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
-            def load(param: Tensor, loaded: Tensor, *args: Any, **kwargs: Any) -> Any:
-                source = sources.get(id(loaded), sources.get(id(loaded._base)) if loaded._base is not None else None)
-                if source is not None:
-                    taken.add(source)
+            @functools.wraps(original)  # its signature too: vLLM's callers read it to decide how to call
+            def load(*args: Any, **kwargs: Any) -> Any:
+                for loaded in (*args, *kwargs.values()):  # loaders differ in signature: any pushed tensor counts
+                    if isinstance(loaded, Tensor) and loaded is not parameter:
+                        base = loaded._base if loaded._base is not None else loaded
+                        source = sources.get(id(loaded), sources.get(id(base)))
+                        if source is not None:
+                            taken.add(source)
                 with _CopyCounter() as counter:
-                    result = original(param, loaded, *args, **kwargs)
+                    result = original(*args, **kwargs)
                 name = names.get(id(parameter), "")
                 covered[name] = min(covered.get(name, 0) + counter.count, sizes.get(name, counter.count))
                 return result
@@ -152,3 +157,18 @@ def rehearse(model: nn.Module, pairs: Sequence[tuple[str, Tensor]]) -> Rehearsal
                 else:
                     p.weight_loader = loaders[i]
     return Rehearsal(frozenset(taken), covered, sizes, error)
+
+
+def refusal(model: nn.Module, role: str, pairs: Sequence[tuple[str, Tensor]], shared: set[str]) -> str:
+    """Why the engine's loader would not take ``pairs`` whole ("" if it would), decided on meta."""
+    rehearsal = rehearse(model, pairs)
+    if rehearsal.error is not None:
+        return f"the engine's loader refused the push: {type(rehearsal.error).__name__}: {str(rehearsal.error)[:400]}"
+    not_taken = [name for name, _ in pairs if name not in rehearsal.taken]
+    untouched = rehearsal.untouched(lambda name: name in shared)
+    if not_taken or untouched:
+        return (
+            f"{len(not_taken)} pushed names its loader does not take {not_taken[:8]}, "
+            f"{len(untouched)} {role} parameters the push would leave unwritten {untouched[:8]}"
+        )
+    return ""

@@ -30,10 +30,17 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["install_sampling_fix_for", "release_sampling_fix_for", "spec_sampling_fix_needed", "vllm_cpu_spec_sampling_fix"]
+__all__ = [
+    "install_sampling_fix_for",
+    "release_sampling_fix_for",
+    "spec_sampling_fix_needed",
+    "vllm_cpu_spec_sampling_fix",
+]
 
 
-def _expand_per_token(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+def _expand_per_token(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> torch.Tensor:
     """``x[i]`` repeated for each of request i's tokens (``cu_num_tokens``: the running totals),
     ``replace_from`` written as ``replace_to``: what vLLM's ``expand_batch_to_tokens`` promises."""
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).to(torch.int64)

@@ -38,7 +38,17 @@ from typing import Any, Sequence
 from mtp_hooks.engine.vllm_cpu_fix import install_sampling_fix_for, release_sampling_fix_for, vllm_cpu_spec_sampling_fix
 from mtp_hooks.errors import MTPHooksError, bad_argument
 
-__all__ = ["CONFIGS", "EngineAcceptance", "SpecDecodeCounts", "engine_environment", "generate_greedy", "generate_sampled", "spec_decode_counts", "start_vllm", "stop_vllm"]
+__all__ = [
+    "CONFIGS",
+    "EngineAcceptance",
+    "SpecDecodeCounts",
+    "engine_environment",
+    "generate_greedy",
+    "generate_sampled",
+    "spec_decode_counts",
+    "start_vllm",
+    "stop_vllm",
+]
 
 CONFIGS = ("cpu", "gpu")
 STOPPED = "_mtp_hooks_stopped"  # set on an LLM by stop_vllm: the engine wing refuses it afterwards
@@ -54,24 +64,48 @@ def engine_environment(config: str = "cpu", kv_cache_gib: int = 1) -> dict[str, 
     return found
 
 
-def start_vllm(model: str, num_speculative_tokens: int, *, config: str = "cpu", dtype: str = "bfloat16", seed: int = 0, **llm_kwargs: Any) -> Any:
+def start_vllm(
+    model: str,
+    num_speculative_tokens: int,
+    *,
+    config: str = "cpu",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    **llm_kwargs: Any,
+) -> Any:
     """A ``vllm.LLM`` on the HF folder ``model`` drafting ``num_speculative_tokens`` tokens with its MTP layers.
 
     ``num_speculative_tokens=0`` starts it without speculation. ``llm_kwargs`` go to ``vllm.LLM``
     (defaults: ``max_model_len=512``, ``max_num_seqs=16``, ``enforce_eager`` on CPU, statistics on).
     """
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+    if (
+        isinstance(num_speculative_tokens, bool)
+        or not isinstance(num_speculative_tokens, int)
+        or num_speculative_tokens < 0
+    ):
         raise bad_argument("num_speculative_tokens", "an int >= 0", repr(num_speculative_tokens))
     folder = Path(model)
     if not (folder / "config.json").is_file():
-        found = "no such folder" if not folder.exists() else f"a folder without config.json ({sorted(p.name for p in folder.iterdir())[:6]})"
-        raise bad_argument("model", "a local HF folder with config.json and weights (mtp_hooks.export writes one)", f"{model!r}: {found}")
+        found = (
+            "no such folder"
+            if not folder.exists()
+            else f"a folder without config.json ({sorted(p.name for p in folder.iterdir())[:6]})"
+        )
+        raise bad_argument(
+            "model",
+            "a local HF folder with config.json and weights (mtp_hooks.export writes one)",
+            f"{model!r}: {found}",
+        )
     for name, value in engine_environment(config).items():
         os.environ.setdefault(name, value)
     from vllm import LLM
 
-    speculative = {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
-    settings: dict[str, Any] = dict(max_model_len=512, max_num_seqs=16, enforce_eager=config == "cpu", disable_log_stats=False)
+    speculative = (
+        {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
+    )
+    settings: dict[str, Any] = dict(
+        max_model_len=512, max_num_seqs=16, enforce_eager=config == "cpu", disable_log_stats=False
+    )
     settings.update(llm_kwargs)
     llm = LLM(
         model=model,
@@ -144,7 +178,9 @@ def spec_decode_counts(llm: Any) -> SpecDecodeCounts:
     values: dict[str, Any] = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode_num_"):
-            values[metric.name.removeprefix("vllm:spec_decode_num_")] = getattr(metric, "values", getattr(metric, "value", None))
+            values[metric.name.removeprefix("vllm:spec_decode_num_")] = getattr(
+                metric, "values", getattr(metric, "value", None)
+            )
     return SpecDecodeCounts(
         int(values.get("drafts", 0)),
         int(values.get("draft_tokens", 0)),
@@ -181,10 +217,14 @@ def generate_greedy(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int)
     """Generate ``max_tokens`` tokens per prompt (token ids) at T = 0, and what the engine accepted."""
     from vllm import SamplingParams
 
-    return _generate(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts))
+    return _generate(
+        llm, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+    )
 
 
-def generate_sampled(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int = 0) -> EngineAcceptance:
+def generate_sampled(
+    llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, seed: int = 0
+) -> EngineAcceptance:
     """Generate at ``temperature`` > 0, prompt i with its own seed ``seed + i`` (reproducible
     whatever the batch), and what the engine accepted. On an affected vLLM (CPU build below 0.34,
     ``spec_sampling_fix_needed()``) the call holds ``vllm_cpu_spec_sampling_fix()`` itself."""
@@ -192,7 +232,10 @@ def generate_sampled(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int
         raise bad_argument("temperature", "a number > 0 (generate_greedy for T = 0)", repr(temperature))
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i)
+        for i in range(len(prompts))
+    ]
     with vllm_cpu_spec_sampling_fix():
         return _generate(llm, prompts, params)
 
@@ -201,10 +244,14 @@ def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: list[Any]) -> 
     from vllm.inputs import TokensPrompt
 
     if getattr(llm, STOPPED, False):
-        raise MTPHooksError("llm: refused\n  expected: a running engine for generate\n  received: an engine stopped by stop_vllm")
+        raise MTPHooksError(
+            "llm: refused\n  expected: a running engine for generate\n  received: an engine stopped by stop_vllm"
+        )
 
     before = spec_decode_counts(llm)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return EngineAcceptance(spec_decode_counts(llm) - before, tuple(tuple(o.outputs[0].token_ids) for o in outputs), seconds)
+    return EngineAcceptance(
+        spec_decode_counts(llm) - before, tuple(tuple(o.outputs[0].token_ids) for o in outputs), seconds
+    )

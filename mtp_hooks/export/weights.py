@@ -30,7 +30,8 @@ Model = Union[nn.Module, Sequence[nn.Module]]
 def _language_models(model: Model) -> list[nn.Module]:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks or not all(isinstance(chunk, nn.Module) for chunk in chunks):
-        raise bad_argument("model", "an mcore GPTModel (or a wrapper of one), or a list of a stage's model chunks", describe(model))
+        expected = "an mcore GPTModel (or a wrapper of one), or a list of a stage's model chunks"
+        raise bad_argument("model", expected, describe(model))
     return [find_language_model(chunk) for chunk in chunks]
 
 
@@ -43,7 +44,9 @@ def _check_names(language_model: nn.Module, layout: Layout) -> None:
                 hf_target(f"mtp.layers.{index}.{rest}", config, layout)
 
 
-def mtp_hf_weights(model: Model, layout: Union[str, Layout], *, all_stages: bool = True) -> Iterator[tuple[str, Tensor]]:
+def mtp_hf_weights(
+    model: Model, layout: Union[str, Layout], *, all_stages: bool = True
+) -> Iterator[tuple[str, Tensor]]:
     """The MTP layers' tensors under the engine's HF names, gathered to full tensors.
 
     Args:
@@ -79,14 +82,25 @@ def mtp_hf_weights(model: Model, layout: Union[str, Layout], *, all_stages: bool
     language_models = _language_models(model)
     config = language_models[0].config
     check_config(config, found)
-    holding = [lm for lm in language_models if getattr(lm, "mtp_process", False) and getattr(lm, "mtp", None) is not None]
+    holding = _holding(language_models)
     for language_model in holding:
         _check_names(language_model, found)
     return _pairs(language_models, holding, found, config, all_stages)
 
 
-def _pairs(language_models: list[nn.Module], holding: list[nn.Module], layout: Layout, config: Any, all_stages: bool) -> Iterator[tuple[str, Tensor]]:
-    units = ([(hf_name, part) for name, tensor in unit for hf_name, part in hf_pairs(name, tensor, config, layout)] for lm in holding for unit in mtp_units(lm))
+def _holding(language_models: list[nn.Module]) -> list[nn.Module]:
+    """The model chunks of this stage that hold MTP layers."""
+    return [lm for lm in language_models if getattr(lm, "mtp_process", False) and getattr(lm, "mtp", None) is not None]
+
+
+def _pairs(
+    language_models: list[nn.Module], holding: list[nn.Module], layout: Layout, config: Any, all_stages: bool
+) -> Iterator[tuple[str, Tensor]]:
+    units = (
+        [(hf_name, part) for name, tensor in unit for hf_name, part in hf_pairs(name, tensor, config, layout)]
+        for lm in holding
+        for unit in mtp_units(lm)
+    )
     group = _mcore.pipeline_group_of(language_models[-1])
     source = holder_of(group, bool(holding)) if all_stages else None
     if source is None:
@@ -98,7 +112,9 @@ def _pairs(language_models: list[nn.Module], holding: list[nn.Module], layout: L
     yield from broadcast_pairs(units if holding else None, group, source, device)
 
 
-def mtp_hf_weights_from_state_dict(state_dict: Mapping[str, Any], config: Any, layout: Union[str, Layout]) -> Iterator[tuple[str, Tensor]]:
+def mtp_hf_weights_from_state_dict(
+    state_dict: Mapping[str, Any], config: Any, layout: Union[str, Layout]
+) -> Iterator[tuple[str, Tensor]]:
     """``mtp_hf_weights`` for an unsharded mcore ``GPTModel`` state dict (e.g. a TP = PP = EP = 1
     checkpoint): its ``mtp.layers.*`` tensors under the layout's names. Expert numbers in the
     keys are taken as global; Transformer Engine and local names are both read.

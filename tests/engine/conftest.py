@@ -56,3 +56,11 @@ def engines(vllm_imported: None) -> Iterator[Callable[..., Any]]:
     yield start
     while running:
         stop_vllm(running.pop())
+
+
+def copy_draft_engine(family: str, engines: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """``(trainer, llm)``: the counting trainer of ``family`` with its copy draft, and an engine on its HF folder (k = 1)."""
+    from mtp_hooks.testing import engine_models as em
+
+    model = em.trainer(family, "copy")
+    return model, engines(em.engine_folder(tmp_path_factory.mktemp(family), family, model), 1)

@@ -21,6 +21,7 @@ import torch
 from mtp_hooks.engine import VLLMSync, generate_greedy
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
+from tests.engine.conftest import copy_draft_engine
 
 PROMPTS = em.counting_prompts(16)
 TOKENS = 64
@@ -42,11 +43,8 @@ class Served:
 
 @pytest.fixture(scope="module", params=em.FAMILIES)
 def served(request: pytest.FixtureRequest, engines: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Served:
-    family = request.param
-    model = em.trainer(family, "copy")
-    folder = em.engine_folder(tmp_path_factory.mktemp(family), family, model)
-    llm = engines(folder, 1)
-    return Served(family, model, llm, VLLMSync(llm))
+    model, llm = copy_draft_engine(request.param, engines, tmp_path_factory)
+    return Served(request.param, model, llm, VLLMSync(llm))
 
 
 def _set_draft(served: Served, draft: str, sigma: float = 0.0) -> None:

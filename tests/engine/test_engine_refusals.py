@@ -27,7 +27,7 @@ from mtp_hooks.engine import StaleDraftError, VLLMSync, generate_greedy, start_v
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
-from tests.engine.conftest import ENGINE_CONFIG
+from tests.engine.conftest import ENGINE_CONFIG, copy_draft_engine
 from tests.support import engine_pushes
 
 PROMPTS = em.counting_prompts(8)
@@ -40,7 +40,6 @@ class Served:
     model: torch.nn.Module
     llm: Any
     sync: VLLMSync
-    folder: Path
 
     def pairs(self) -> list[tuple[str, torch.Tensor]]:
         return list(mtp_hf_weights(self.model, em.LAYOUTS[self.family]))
@@ -52,11 +51,8 @@ class Served:
 
 @pytest.fixture(scope="module", params=em.FAMILIES)
 def served(request: pytest.FixtureRequest, engines: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Served:
-    family = request.param
-    model = em.trainer(family, "copy")
-    folder = em.engine_folder(tmp_path_factory.mktemp(family), family, model)
-    llm = engines(folder, 1)
-    found = Served(family, model, llm, VLLMSync(llm), folder)
+    model, llm = copy_draft_engine(request.param, engines, tmp_path_factory)
+    found = Served(request.param, model, llm, VLLMSync(llm))
     found.sync.push(found.pairs())
     found.holds_the_good_push()
     return found
