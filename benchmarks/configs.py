@@ -97,6 +97,26 @@ class Config:
         return [self.base, *rest]
 
 
+# The sweeps, as the tables and the plot name them: title, the symbol of the varied dimension, the Shape field.
+SWEEP_TITLES = {"vocab": "vocabulary size V", "seq": "sequence length s", "mtp": "MTP depth N",
+                "realistic": "sequence length s at a real vocabulary"}
+SWEEP_SYMBOLS = {"vocab": "V", "seq": "s", "mtp": "N", "realistic": "s"}
+SWEEP_ATTRIBUTES = {"vocab": "vocab", "seq": "seq", "mtp": "mtp", "realistic": "seq"}  # the Shape field each varies
+
+
+def sweep_title(config: Config, sweep: str) -> str:
+    """What ``sweep`` varies, in words (the realistic sweep names its vocabulary)."""
+    if sweep == "realistic":
+        return f"sequence length s at V = {config.realistic_vocab:,}"
+    return SWEEP_TITLES[sweep]
+
+
+def sweeps(config: Config) -> list[str]:
+    """The sweeps ``config`` has points in, in ``SWEEP_TITLES`` order."""
+    present = {name for name, _ in config.points()}
+    return [sweep for sweep in SWEEP_TITLES if sweep in present]
+
+
 CONFIGS: dict[str, Config] = {
     "cpu": Config(
         name="cpu",

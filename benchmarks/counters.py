@@ -155,21 +155,37 @@ class _ByOp:
         return sum(self.by_op.values())
 
 
-class HostSyncs(_ByOp, TorchDispatchMode):
-    """Counts host syncs: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``is_nonzero``,
-    ``nonzero``, ``item``, ``equal``, and copies from a device to the host. ``by_op`` says which."""
+def _crosses_host(name: str, args: tuple, kwargs: Optional[dict], out: Any, direction: str) -> bool:
+    """Whether a copy op moved data from a device to the host (``"to host"``) or the other way
+    (``"to device"``); ``copy_``'s first argument is its destination, not a source."""
+    sources = {t.device.type for t in _tensors((args[1:] if name == "aten::copy_" else args, kwargs))}
+    targets = {t.device.type for t in _tensors(out)}
+    host, devices = (targets, sources) if direction == "to host" else (sources, targets)
+    return "cpu" in host and bool(devices - {"cpu", "meta"})
+
+
+class _OpCounter(_ByOp, TorchDispatchMode):
+    """Counts the ops named in ``OPS``, and the copies across the host boundary in ``DIRECTION``, by op."""
+
+    OPS: frozenset[str]
+    DIRECTION: str  # "to host" or "to device"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         name = func._schema.name
         out = func(*args, **(kwargs or {}))
-        if name in SYNC_OPS:
+        if name in self.OPS:
             self.by_op[name] += 1
-        elif name in _COPY_OPS:
-            sources = [t.device.type for t in _tensors((args, kwargs))]
-            targets = [t.device.type for t in _tensors(out)]
-            if any(d not in ("cpu", "meta") for d in sources) and "cpu" in targets:
-                self.by_op[f"{name} (to host)"] += 1
+        elif name in _COPY_OPS and _crosses_host(name, args, kwargs, out, self.DIRECTION):
+            self.by_op[f"{name} ({self.DIRECTION})"] += 1
         return out
+
+
+class HostSyncs(_OpCounter):
+    """Counts host syncs: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``is_nonzero``,
+    ``nonzero``, ``item``, ``equal``, and copies from a device to the host. ``by_op`` says which."""
+
+    OPS = SYNC_OPS
+    DIRECTION = "to host"
 
 
 _READ_METHODS = {
@@ -193,21 +209,9 @@ class HostReads(_ByOp, TorchFunctionMode):
 _FROM_HOST_OPS = frozenset({"aten::lift_fresh", "aten::lift_fresh_copy"})
 
 
-class HostToDevice(_ByOp, TorchDispatchMode):
+class HostToDevice(_OpCounter):
     """Counts tensors made from host data (``lift_fresh``) and host-to-device
     copies (``_to_copy`` / ``copy_`` from a CPU tensor into another device's); ``by_op`` says which."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        name = func._schema.name
-        out = func(*args, **(kwargs or {}))
-        if name in _FROM_HOST_OPS:
-            self.by_op[name] += 1
-        elif name in _COPY_OPS:
-            if name == "aten::copy_":
-                sources = [t.device.type for t in _tensors((args[1:], kwargs))]
-            else:
-                sources = [t.device.type for t in _tensors((args, kwargs))]
-            targets = [t.device.type for t in _tensors(out)]
-            if "cpu" in sources and any(d not in ("cpu", "meta") for d in targets):
-                self.by_op[f"{name} (to device)"] += 1
-        return out
+    OPS = _FROM_HOST_OPS
+    DIRECTION = "to device"

@@ -38,7 +38,8 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.counters import HostSyncs, HostToDevice, LiveBytes, count_flops
-from benchmarks.report import ratio_range, time_ratio, time_verdict, verdict
+from benchmarks.cells import ratio_range
+from benchmarks.verdicts import time_ratio, time_verdict, verdict
 from mtp_hooks.ops.chunking import auto_chunk_size
 from mtp_hooks.ops.logprobs import lean_logprobs
 from mtp_hooks.ops.draft_rule import DraftRule

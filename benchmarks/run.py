@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size).*")
 
-from benchmarks import loss_shapes, models, report  # noqa: E402
+from benchmarks import headlines, loss_shapes, models, plot, tables, verdicts  # noqa: E402
 from benchmarks.configs import CONFIGS, Config  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.shape_run import run_shape  # noqa: E402
@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def measure(config: Config, names: list[str], log: Any = sys.stderr, partial: Optional[pathlib.Path] = None) -> dict[str, Any]:
-    """Every variant at every distinct shape of ``config``: the raw results ``report`` reads.
+    """Every variant at every distinct shape of ``config``: the raw results ``verdicts.summarize`` reads.
 
     With ``partial``, the raw results so far are written there after every shape (``"complete": false``),
     so that a run cut short can still be reported with ``--from-json``.
@@ -158,11 +158,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"{args.from_json} holds config {raw['config']!r}, not {config.name!r}; pass --config {raw['config']}")
     else:
         raw = measure(config, names, partial=out_dir / "results.partial.json")
-    result = report.summarize(config, raw)
+    result = verdicts.summarize(config, raw)
     result["loss_shapes"] = [loss_shapes.summarize(loss) for loss in raw.get("loss_shapes", [])]
     png = out_dir / f"bench_{config.name}.png"
-    report.plot(config, result, str(png))
-    markdown_text = report.markdown(config, result, plot_name=png.name)
+    plot.save(config, result, str(png))
+    markdown_text = tables.markdown(config, result, plot_name=png.name)
     if result["loss_shapes"]:
         markdown_text += "\n" + loss_shapes.markdown(result["loss_shapes"])
     (out_dir / "results.md").write_text(markdown_text)
@@ -171,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(markdown_text)
     print(f"wrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {png} in {raw['seconds']:.0f} s")
     if args.publish:
-        for path in publish(config, markdown_text, png, report.headline(config, result), report.trainer_summary(config, result)):
+        for path in publish(config, markdown_text, png, headlines.headline(config, result), headlines.trainer_summary(config, result)):
             print(f"published {path.relative_to(ROOT)}")
     if args.check or args.quick:
         failures = failed_checks(result)

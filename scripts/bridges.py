@@ -1,7 +1,7 @@
 """Run the bridge-built families (``tests/integrations/test_bridges.py``, and the MTP export against the bridge's
 own, ``tests/integrations/test_export_bridges.py``) on every megatron-core release of the matrix.
 
-The environments are the matrix's (``scripts/matrix.py``): the base venv of each Python and
+The environments are the matrix's (``scripts/matrix.py``, built by ``scripts/overlays.py``): the base venv of each Python and
 ``.mcore/<version>`` first on ``PYTHONPATH``. On top of them, after the megatron-core folder, comes
 an overlay of ``requirements/bridges.txt`` (mbridge 0.15.1, transformers 4.57.1 and what they
 import) installed with ``pip install --no-deps --target .bridges/py311`` (or ``py312``).
@@ -32,8 +32,8 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from matrix import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, ensure_venv, find_python312, parse_counts  # noqa: E402
-from matrix import base_python311, environment, requested_versions, split_pytest_args  # noqa: E402
+from overlays import RELEASES, ROOT, describe_stack, ensure_mcore, ensure_target, ensure_venv, find_python312, parse_counts  # noqa: E402
+from overlays import base_python311, environment, requested_versions, split_pytest_args  # noqa: E402
 
 OUT = ROOT / "matrix-out" / "bridges"
 

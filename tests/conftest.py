@@ -1,9 +1,9 @@
-"""Shared fixtures: real mcore on CPU (gloo, world size 1) and a clean process-wide MTP state."""
+"""Shared fixtures: real mcore on CPU (gloo, world size 1), a clean process-wide MTP state, two spawned ranks."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
 import torch
@@ -18,6 +18,9 @@ from megatron.core.transformer.multi_token_prediction import (  # noqa: E402
 )
 
 from mtp_hooks.testing import cuda_current_device_is_cpu, init_parallel  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.support.distributed import SpawnedGroup
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,6 +48,16 @@ def clean_mtp_process_state() -> Iterator[None]:
     yield
     MTPLossLoggingHelper.tracker.clear()
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[SpawnedGroup]:
+    """Two spawned gloo ranks (``tests.support.distributed``), started once per test module that runs
+    distributed scenarios: process start-up dominates, so the module's tests share them."""
+    from tests.support.distributed import SpawnedGroup
+
+    with SpawnedGroup(world_size=2) as spawned:
+        yield spawned
 
 
 @pytest.fixture(scope="module")

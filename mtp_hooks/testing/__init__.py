@@ -13,6 +13,8 @@ layers; no fake classes) next to which a hooked twin can be checked:
 * ``gpt`` / ``deepseek`` / ``hybrid``: ``TinyGPT``, ``TinyQwen`` (GQA), ``TinyDeepSeek`` (MLA + MoE,
   inside ``moe_mla_on_cpu()``), ``TinyHybrid`` / ``TinyHybridMoE`` (megatron-core 0.18+);
 * ``kernels``: ``fused_wgrad_kernel_on_cpu()``, a CPU stand-in for Apex's fused wgrad kernel;
+* ``environ``: ``environ_kept()``, which gives ``os.environ`` back; every builder here runs in it, so the
+  ``NVTE_*`` attention variables mcore sets while building a model do not outlive the build;
 * ``twins``: the side-by-side harness: ``build_twins`` (-> ``Twins``, whose ``assert_step_matches``
   checks logits, MTP losses and every gradient in one call), batches (``make_batch``), the stock
   and hooked training steps (``stock_train_step``, ``hooked_train_step``) and the comparisons
@@ -22,8 +24,8 @@ layers; no fake classes) next to which a hooked twin can be checked:
 * ``engine_models`` (import it by name): DeepSeek-V3, GLM-4.5 and MiMo models with a counting target
   and drafts whose acceptance the weights predict, written as HF folders vLLM loads (``docs/engine.md``).
 
-Importing this package changes nothing in torch or megatron-core: every change is made by a context
-manager and undone on its exit. ``mtp_hooks`` itself needs none of it.
+Importing this package changes nothing in torch, megatron-core or the process environment: every change
+is made by a context manager and undone on its exit. ``mtp_hooks`` itself needs none of it.
 
 Example::
 
@@ -40,12 +42,16 @@ import warnings as _warnings
 with _warnings.catch_warnings():
     # megatron-core's notices, at import, that it falls back from optional fused kernels (as mtp_hooks does).
     _warnings.filterwarnings(
-        "ignore", message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed", category=UserWarning, module=r"megatron\."
+        "ignore",
+        message=r"(Transformer Engine and Apex are|Apex is|absl\.logging is) not installed",
+        category=UserWarning,
+        module=r"megatron\.",
     )
     from mtp_hooks.testing.attention import SDPAttention, context_parallel_positions
     from mtp_hooks.testing.config import cpu_safe_config
     from mtp_hooks.testing.deepseek import TinyDeepSeek, deepseek_missing, moe_mla_on_cpu
     from mtp_hooks.testing.devices import CudaToCpu, cuda_calls_on_cpu, cuda_current_device_is_cpu
+    from mtp_hooks.testing.environ import environ_kept
     from mtp_hooks.testing.gpt import TinyGPT, TinyQwen
     from mtp_hooks.testing.hybrid import TinyHybrid, TinyHybridMoE, hybrid_moe_missing, hybrid_mtp_missing
     from mtp_hooks.testing.kernels import fused_wgrad_kernel_on_cpu
@@ -53,7 +59,8 @@ with _warnings.catch_warnings():
     from mtp_hooks.testing.specs import SequenceParallelLayerNorm, local_layer_spec, replace_module_class
     from mtp_hooks.testing.twins import PATHS, Batch, ModelShape, StockRun, Twins, TwinStep, build_twins, make_batch
     from mtp_hooks.testing.twins import assert_same_grads, assert_same_mtp_losses, grads_of, hooked_mtp_losses
-    from mtp_hooks.testing.twins import hooked_forward, hooked_train_step, main_ce_from_logits, masked_mean, output_layer_calls
+    from mtp_hooks.testing.twins import hooked_forward, hooked_train_step, main_ce_from_logits, masked_mean
+    from mtp_hooks.testing.twins import output_layer_calls
     from mtp_hooks.testing.twins import stock_main_only_step, stock_mtp_losses, stock_train_step, tracked_mtp_losses
 
 __all__ = [
@@ -79,6 +86,7 @@ __all__ = [
     "cuda_calls_on_cpu",
     "cuda_current_device_is_cpu",
     "deepseek_missing",
+    "environ_kept",
     "free_port",
     "fused_wgrad_kernel_on_cpu",
     "grads_of",

@@ -91,8 +91,12 @@ class SDPAttention(MegatronModule):
             layout = s * cp if bounds is None else bounds.tolist()
             positions = context_parallel_positions(layout, self.cp_group.rank(), cp, device=query.device)
             if positions.numel() != s:
-                raise NotImplementedError(f"SDPAttention: {s} local tokens, but the packed layout gives this rank {positions.numel()}")
-            key_positions = torch.cat([context_parallel_positions(layout, r, cp, device=query.device) for r in range(cp)])
+                raise NotImplementedError(
+                    f"SDPAttention: {s} local tokens, but the packed layout gives this rank {positions.numel()}"
+                )
+            key_positions = torch.cat(
+                [context_parallel_positions(layout, r, cp, device=query.device) for r in range(cp)]
+            )
             k, v = (_GatherSequence.apply(t, self.cp_group) for t in (k, v))
         mask = positions[:, None] >= key_positions[None, :]
         if bounds is not None:
@@ -116,7 +120,11 @@ def context_parallel_positions(layout: int | list[int], cp_rank: int, cp_size: i
     for start, end in zip(bounds[:-1], bounds[1:]):
         chunk = (end - start) // (2 * cp_size)
         parts.append(torch.arange(start + cp_rank * chunk, start + (cp_rank + 1) * chunk, device=device))
-        parts.append(torch.arange(start + (2 * cp_size - 1 - cp_rank) * chunk, start + (2 * cp_size - cp_rank) * chunk, device=device))
+        parts.append(
+            torch.arange(
+                start + (2 * cp_size - 1 - cp_rank) * chunk, start + (2 * cp_size - cp_rank) * chunk, device=device
+            )
+        )
     return torch.cat(parts)
 
 

@@ -83,7 +83,9 @@ def deepseek_missing() -> Optional[str]:
     if not hasattr(gpt_layer_specs, "get_gpt_decoder_block_spec"):
         return "gpt_layer_specs has no get_gpt_decoder_block_spec (no per-layer MoE spec)"
     fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    for name in ("moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_token_dispatcher_type", "rope_type", "v_head_dim"):
+    for name in (
+        "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_token_dispatcher_type", "rope_type", "v_head_dim"
+    ):
         if name not in fields:
             return f"MLATransformerConfig has no {name}"
     return None

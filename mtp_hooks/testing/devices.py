@@ -36,7 +36,9 @@ def cuda_current_device_is_cpu() -> Iterator[None]:
 class CudaToCpu(TorchFunctionMode):
     """A torch function mode: ``device="cuda"`` of tensor factories becomes CPU, ``Tensor.cuda()`` a no-op."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is Tensor.cuda:
             return args[0]

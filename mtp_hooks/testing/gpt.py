@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_hooks.testing.config import cpu_safe_config
+from mtp_hooks.testing.environ import environ_kept
 from mtp_hooks.testing.specs import SequenceParallelLayerNorm, local_layer_spec, replace_module_class
 
 __all__ = ["TinyGPT", "TinyQwen"]
@@ -93,19 +94,28 @@ class TinyGPT:
         """Build the model with a fixed seed, so two builds are identical twins.
 
         ``model_kwargs`` go to ``GPTModel`` (``pre_process``, ``post_process``, ``vp_stage``, ...).
+        The process environment is given back (``environ_kept``): mcore's attention-backend
+        variables do not outlive the build.
         """
         torch.manual_seed(seed)
         config = self.config()
         decoder_spec, mtp_spec = self.block_specs(config, model_kwargs.get("vp_stage"))
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=decoder_spec,
+        with environ_kept():
+            return GPTModel(
+                config=config,
+                transformer_layer_spec=decoder_spec,
+                mtp_block_spec=mtp_spec,
+                **self.model_arguments(),
+                **model_kwargs,
+            )
+
+    def model_arguments(self) -> dict[str, Any]:
+        """The model arguments this shape decides besides config and specs: vocabulary, positions, tying."""
+        return dict(
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
             share_embeddings_and_output_weights=self.tied,
             position_embedding_type=self.position_embedding_type,
-            mtp_block_spec=mtp_spec,
-            **model_kwargs,
         )
 
     def block_specs(self, config: TransformerConfig, vp_stage: Optional[int]) -> tuple[Any, Optional[ModuleSpec]]:

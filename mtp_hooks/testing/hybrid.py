@@ -20,6 +20,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mtp_hooks.testing.attention import SDPAttention
+from mtp_hooks.testing.environ import environ_kept
 from mtp_hooks.testing.gpt import TinyGPT
 from mtp_hooks.testing.specs import local_layer_spec
 
@@ -80,7 +81,7 @@ class TinyHybrid(TinyGPT):
         return config
 
     def build(self, seed: int = 1234, **model_kwargs: Any) -> torch.nn.Module:
-        """Build the model with a fixed seed, so two builds are identical twins."""
+        """Build the model with a fixed seed, so two builds are identical twins (the environment given back)."""
         missing = self._missing()
         if missing is not None:
             raise RuntimeError(missing)
@@ -100,7 +101,9 @@ class TinyHybrid(TinyGPT):
 
         return local_layer_spec(), "mlp_layer", MLPLayer
 
-    def hybrid_from_local_spec(self, config: TransformerConfig, local: Any, ffn_field: str, ffn_module: type, **model_kwargs: Any) -> torch.nn.Module:
+    def hybrid_from_local_spec(
+        self, config: TransformerConfig, local: Any, ffn_field: str, ffn_module: type, **model_kwargs: Any
+    ) -> torch.nn.Module:
         """A ``HybridModel`` whose attention and feed-forward layers (``ffn_field`` of the stack's
         submodules, built as ``ffn_module``) come from a local GPT layer spec with SDPA attention."""
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -121,12 +124,16 @@ class TinyHybrid(TinyGPT):
         attention = ModuleSpec(
             module=TransformerLayer,
             submodules=TransformerLayerSubmodules(
-                input_layernorm=parts.input_layernorm, self_attention=parts.self_attention, self_attn_bda=parts.self_attn_bda
+                input_layernorm=parts.input_layernorm,
+                self_attention=parts.self_attention,
+                self_attn_bda=parts.self_attn_bda,
             ),
         )
         ffn = ModuleSpec(
             module=ffn_module,
-            submodules=TransformerLayerSubmodules(pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda),
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=parts.mlp_bda
+            ),
         )
         mtp_layer = ModuleSpec(
             module=MultiTokenPredictionLayer,
@@ -150,16 +157,14 @@ class TinyHybrid(TinyGPT):
             ),
             params={"post_layer_norm": False},  # HybridStack's final norm is Transformer Engine's
         )
-        return HybridModel(
-            config=config,
-            hybrid_stack_spec=stack,
-            vocab_size=self.vocab_size,
-            max_sequence_length=self.max_sequence_length,
-            hybrid_layer_pattern=self.pattern,
-            share_embeddings_and_output_weights=self.tied,
-            position_embedding_type=self.position_embedding_type,
-            **model_kwargs,
-        )
+        with environ_kept():
+            return HybridModel(
+                config=config,
+                hybrid_stack_spec=stack,
+                hybrid_layer_pattern=self.pattern,
+                **self.model_arguments(),
+                **model_kwargs,
+            )
 
 
 _TINY_MOE: dict[str, Any] = dict(

@@ -34,7 +34,8 @@ class _FusedWeightGradientKernels:
     @staticmethod
     def wgrad_gemm_accum_fp32(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
         assert main_grad.dtype == torch.float32 and input.dim() == grad_output.dim() == 2
-        torch.addmm(main_grad, grad_output.detach().t().float(), input.detach().float(), out=main_grad)  # out=: counted by FlopCounterMode
+        # out=: counted by FlopCounterMode
+        torch.addmm(main_grad, grad_output.detach().t().float(), input.detach().float(), out=main_grad)
 
     @staticmethod
     def wgrad_gemm_accum_fp16(input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:

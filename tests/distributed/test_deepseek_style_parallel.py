@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -21,10 +21,11 @@ from torch import Tensor, nn
 
 import mtp_hooks
 from mtp_hooks.testing import Batch, TinyDeepSeek, assert_same_grads, main_ce_from_logits, make_batch, masked_mean, moe_mla_on_cpu
-from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses
 from tests.support.distributed import SpawnedGroup
 from tests.support.mcore_moe import DEEPSEEK_MISSING, forward_calls, moe_tracker_values, mtp_moe_layers, reduce_moe_tracker
 from tests.support.mcore_moe import reset_moe_process_state, routers
+from tests.support.pipeline_schedule import masked_sum_loss, run_schedule, stock_last_stage
 
 pytestmark = pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}")
 
@@ -52,30 +53,6 @@ def _assert_moe_params_trained(model: nn.Module) -> None:
 # ------------------------------------------------------------------ pipeline parallel
 
 
-def _run_schedule(model: nn.Module, batches: list[Batch], step: Callable[[nn.Module, Batch], Any], forward_only: bool = False) -> None:
-    """mcore's pipeline schedule over ``batches`` (one micro-batch each) with ``step(model, batch)``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator: Iterator[Batch], chunk: nn.Module) -> tuple[Tensor, Any]:
-        return step(chunk, next(data_iterator))
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=model,
-        num_microbatches=len(batches),
-        seq_length=SEQ,
-        micro_batch_size=batches[0].input_ids.shape[0],
-        forward_only=forward_only,
-    )
-
-
-def _masked_sum_loss(loss_mask: Tensor, per_token: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Loss function in mcore's 3-tuple form: the schedule divides by the token count."""
-    loss = (per_token * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
-
-
 def _inference_pass(model: nn.Module, batches: list[Batch], grad: bool) -> list[str]:
     """Forward-only schedule without labels; returns the names of the MTP MoE layers that ran."""
 
@@ -86,7 +63,7 @@ def _inference_pass(model: nn.Module, batches: list[Batch], grad: bool) -> list[
         return output, lambda logits: (logits.sum() * 0, torch.tensor(1, dtype=torch.int), {})
 
     with forward_calls(mtp_moe_layers(model)) as ran, torch.set_grad_enabled(grad):
-        _run_schedule(model, batches, step, forward_only=True)
+        run_schedule(model, batches, step, forward_only=True)
     return ran
 
 
@@ -125,13 +102,9 @@ def scenario_pipeline(loss_impl: str) -> dict[str, Any]:
         def stock_step(chunk: nn.Module, batch: Batch) -> tuple[Tensor, Any]:
             if not chunk.post_process:
                 return chunk(*batch.model_args), None
-            tracked = tracked_mtp_losses()
-            before = torch.zeros(depth) if tracked is None else tracked.clone()
-            with output_layer_calls(chunk) as calls:
+            with stock_last_stage(chunk, depth, stock_logits, stock_mtp):
                 per_token = chunk(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
-            stock_logits.append(calls[-1].transpose(0, 1))
-            stock_mtp.append((tracked_mtp_losses() - before).tolist())
-            return per_token, partial(_masked_sum_loss, batch.loss_mask)
+            return per_token, partial(masked_sum_loss, batch.loss_mask)
 
         hooked_logits: list[Tensor] = []
         hooked_mtp: list[list[float]] = []
@@ -144,13 +117,13 @@ def scenario_pipeline(loss_impl: str) -> dict[str, Any]:
             hooked_logits.append(output.detach().clone())
             metrics = hooks.metrics()
             hooked_mtp.append([metrics[f"mtp_{k}/loss"] for k in range(1, depth + 1)])
-            return output, lambda logits: _masked_sum_loss(batch.loss_mask, main_ce_from_logits(logits, batch.labels))
+            return output, lambda logits: masked_sum_loss(batch.loss_mask, main_ce_from_logits(logits, batch.labels))
 
-        _run_schedule(stock, batches, stock_step)
+        run_schedule(stock, batches, stock_step)
         stock_tracker = moe_tracker_values()
         stock_mtp_losses()  # empties mcore's MTP tracker
         reset_moe_process_state()
-        _run_schedule(hooked, batches, hooked_step)
+        run_schedule(hooked, batches, hooked_step)
         trained = moe_tracker_values()
 
         if is_last:
@@ -244,12 +217,6 @@ def scenario_expert_parallel(loss_impl: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ tests
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 @pytest.mark.parametrize("loss_impl", ["lean", "dense"])

@@ -16,7 +16,7 @@ checked by stock mcore itself: its MTP losses on one batch equal the reference's
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -155,12 +155,6 @@ def _shard_mtp_by_name(model: torch.nn.Module, full: dict[str, Tensor]) -> int:
             if name.startswith("mtp.") and isinstance(tensor, Tensor) and not name.endswith("_extra_state"):
                 tensor.copy_(full[name])
     return 0
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 @pytest.mark.parametrize("family", ["deepseek", "qwen"])

@@ -18,7 +18,7 @@ up to 0.16.1, since 0.17.1 rescales the per-token MTP loss by each rank's own to
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -27,9 +27,10 @@ from torch import Tensor, nn
 import mtp_hooks
 from mtp_hooks import _mcore
 from mtp_hooks.testing import Batch, TinyGPT, assert_same_grads, context_parallel_positions, grads_of, make_batch, masked_mean
-from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
+from mtp_hooks.testing import output_layer_calls, stock_mtp_losses
 from tests.support.distributed import SpawnedGroup
 from tests.support.megatron_loop import cuda_stream_on_cpu
+from tests.support.pipeline_schedule import masked_sum_loss, run_schedule, stock_last_stage
 from tests.support.mcore_cpu import needs_packed_mtp, rolled, thd_params
 
 SEED = 1234
@@ -218,33 +219,6 @@ def _pipeline_chunks(shape: TinyGPT, vpp: Optional[int]) -> list[nn.Module]:
     return pipeline_chunks(shape, SEED, vpp)
 
 
-def _run_schedule(
-    chunks: list[nn.Module], batches: list[Batch], step: Any, forward_only: bool = False
-) -> None:
-    """mcore's pipeline schedule over ``batches`` (one micro-batch each) with ``step(model, batch)``."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator: Iterator[Batch], model: nn.Module) -> tuple[Tensor, Any]:
-        return step(model, next(data_iterator))
-
-    batch = batches[0]
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches),
-        seq_length=batch.input_ids.shape[1],
-        micro_batch_size=batch.input_ids.shape[0],
-        forward_only=forward_only,
-    )
-
-
-def _masked_sum_loss(loss_mask: Tensor, per_token: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Loss function in mcore's 3-tuple form: the schedule divides by the token count."""
-    loss = (per_token * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
-
-
 def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_every_stage: bool) -> dict[str, Any]:
     """PP=2 (VPP optional) through mcore's schedule: hooks on every chunk against stock chunks.
 
@@ -285,13 +259,9 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
             targets = {"labels": batch.labels, "loss_mask": batch.loss_mask} if model.post_process or labels_on_every_stage else {}
             if not model.post_process:
                 return model(*batch.model_args, **targets), None
-            tracked = tracked_mtp_losses()
-            before = torch.zeros(depth) if tracked is None else tracked.clone()
-            with output_layer_calls(model) as calls:
+            with stock_last_stage(model, depth, stock_logits, stock_mtp):
                 per_token = model(*batch.model_args, **targets)
-            stock_logits.append(calls[-1].transpose(0, 1))
-            stock_mtp.append((tracked_mtp_losses() - before).tolist())
-            return per_token, partial(_masked_sum_loss, batch.loss_mask)
+            return per_token, partial(masked_sum_loss, batch.loss_mask)
 
         hooked_logits: list[Tensor] = []
         hooked_mtp: list[list[float]] = []
@@ -307,12 +277,12 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
 
             def loss(logits: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
                 per_token = model.compute_language_model_loss(batch.labels, logits.transpose(0, 1).clone(memory_format=torch.contiguous_format))
-                return _masked_sum_loss(batch.loss_mask, per_token)
+                return masked_sum_loss(batch.loss_mask, per_token)
 
             return output, loss
 
-        _run_schedule(stock_chunks, batches, stock_step)
-        _run_schedule(hooked_chunks, batches, hooked_step)
+        run_schedule(stock_chunks, batches, stock_step)
+        run_schedule(hooked_chunks, batches, hooked_step)
 
         if is_last_stage:
             assert len(hooked_logits) == len(stock_logits) == len(batches)
@@ -335,7 +305,7 @@ def scenario_pipeline(tied: bool, loss_impl: str, vpp: Optional[int], labels_on_
             inference_logits.append(output.detach().clone())
             return output, lambda logits: (logits.sum() * 0, torch.tensor(1, dtype=torch.int), {})
 
-        _run_schedule(hooked_chunks, batches, inference_step, forward_only=True)
+        run_schedule(hooked_chunks, batches, inference_step, forward_only=True)
         if is_last_stage:
             for actual, expected in zip(inference_logits, stock_logits):
                 torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
@@ -471,12 +441,6 @@ def scenario_targets_context_parallel(examples: int, packed: bool) -> int:
 # ------------------------------------------------------------------ tests
 
 
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
-
-
 TP2 = {"tensor_model_parallel_size": 2}
 
 
@@ -561,23 +525,18 @@ def _stage_model(post_process: bool, with_mtp: bool, pre_process: bool = True, t
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
-    from mtp_hooks.testing import SDPAttention
+    from mtp_hooks.testing import SDPAttention, environ_kept
 
-    shape = TinyGPT()
+    shape = TinyGPT(tied=tied)
     config = shape.config()
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.max_sequence_length,
-        position_embedding_type="learned_absolute",
-        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if with_mtp else None,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=tied,
-    )
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if with_mtp else None
+    with environ_kept():
+        return GPTModel(
+            config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec, pre_process=pre_process, post_process=post_process,
+            **shape.model_arguments(),
+        )
 
 
 @pytest.mark.parametrize(

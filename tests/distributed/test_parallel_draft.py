@@ -19,7 +19,7 @@ whole sequence at CP=1, which needs teachers exchanged across CP ranks.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -317,12 +317,6 @@ def scenario_context_parallel_distill(
 
 
 # ------------------------------------------------------------------ tests
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[SpawnedGroup]:
-    with SpawnedGroup(world_size=2) as spawned:
-        yield spawned
 
 
 @pytest.fixture(scope="module")

@@ -187,7 +187,7 @@ def _last_stage(pair: SpawnedGroup, case: Case) -> tuple[dict[str, Any], list[st
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_the_mtp_stages_tied_embedding_copy_is_marked_zero_out_wgrad_while_attached(pair: SpawnedGroup, tied: bool) -> None:
     """PP=2: the last stage's tied word-embedding copy (the head's weight and the MTP lookups') is
-    marked ``zero_out_wgrad`` while attached (``mtp_hooks.head.mark_shared_copy``; the tied
+    marked ``zero_out_wgrad`` while attached (``mtp_hooks.features.tied_copy.mark``; the tied
     fusion cases check the gradients) and unmarked by ``remove()``; nothing else is marked."""
     results = pair.run(scenario_zero_out_wgrad_marks, {"pipeline_model_parallel_size": 2}, timeout_s=120.0, tied=tied)
     marks = {r["last_stage"]: r["marks"] for r in results}

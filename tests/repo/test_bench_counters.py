@@ -85,7 +85,7 @@ def test_bool_and_nonzero_count_as_syncs_and_plain_math_does_not() -> None:
 
 
 def test_time_verdict_reads_within_noise_when_the_round_ratios_straddle_the_goal() -> None:
-    from benchmarks.report import MET, MISSED, NOISE, time_ratio, time_verdict
+    from benchmarks.verdicts import MET, MISSED, NOISE, time_ratio, time_verdict
 
     stock = [1.0, 1.0, 1.0, 1.0, 1.0]
     assert time_verdict(time_ratio([0.9, 0.8, 0.95, 0.9, 1.0], stock)) == MET
@@ -147,7 +147,7 @@ def test_check_fails_on_a_missed_exact_goal_or_a_skipped_variant_but_not_on_verl
 
 def test_smoke_shapes_report_the_memory_goal_as_not_measured_not_missed() -> None:
     from benchmarks.configs import CONFIGS
-    from benchmarks.report import MISSED, UNJUDGED, goals_at, memory_verdict
+    from benchmarks.verdicts import MISSED, UNJUDGED, goals_at, memory_verdict
 
     def counts(peak: int) -> dict:
         return {"train": {"flops": 8, "peak_bytes": peak, "h2d": 0, "syncs": 0}, "infer": {"h2d": 0, "syncs": 0},
@@ -161,7 +161,7 @@ def test_smoke_shapes_report_the_memory_goal_as_not_measured_not_missed() -> Non
 
 
 def test_time_verdict_straddling_the_threshold_reads_inconclusive() -> None:
-    from benchmarks.report import NOISE, time_ratio, time_verdict
+    from benchmarks.verdicts import NOISE, time_ratio, time_verdict
 
     assert NOISE == "inconclusive"
     assert time_verdict(time_ratio([0.9, 1.1, 1.0], [1.0, 1.0, 1.0])) == "inconclusive"

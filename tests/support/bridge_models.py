@@ -21,16 +21,14 @@ Transformer-Engine MTP spec.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import os
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
-from mtp_hooks.testing import cpu_safe_config
+from mtp_hooks.testing import cpu_safe_config, environ_kept
 
 # mbridge's notices at import time (no Apex), as conftest.py silences megatron's.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"mbridge\.")
@@ -67,81 +65,53 @@ CPU_OVERRIDES: dict[str, Any] = cpu_safe_config(
 )
 
 
-# The published models' config.json settings, scaled down in size only (layers, hidden, vocabulary,
-# experts): what every family shares, what the two MoE families share, then each family's own.
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family as transformers holds it: its config and model classes, and the published model's
+    ``config.json`` settings scaled down in size only (layers, hidden, vocabulary, experts).
+
+    ``model_type`` is set on the config where the bridge registers the family under another name than
+    the class's: MiMo runs on ``Qwen2Config`` (the real ``MiMoConfig`` is remote code) as ``"mimo"``.
+    """
+
+    config_class: str
+    model_class: str  # transformers' own model of the family (``tests.support.export_cases.hf_decoder_layers``)
+    settings: dict[str, Any]
+    model_type: Optional[str] = None
+
+
+# What every family shares, then what the two MoE families share; each family's own settings grouped as
+# attention, positions and MoE.
 _EVERY_FAMILY: dict[str, Any] = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_act="silu", tie_word_embeddings=False
 )
 _MOE: dict[str, Any] = dict(
-    moe_intermediate_size=16,
-    first_k_dense_replace=1,
-    n_shared_experts=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    topk_group=1,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
+    moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+    topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
 )
-# family: (transformers' config class, settings, model_type to set or None). MiMo runs on transformers'
-# ``Qwen2Config`` (the real ``MiMoConfig`` is remote code); ``mimo`` is the model_type the bridge registers.
-_HF_CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str]]] = {
-    "deepseek_v3": (  # deepseek-ai/DeepSeek-V3
-        "DeepseekV3Config",
-        dict(
-            **_MOE,
-            num_key_value_heads=4,
-            n_group=2,
-            kv_lora_rank=16,
-            q_lora_rank=24,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            max_position_embeddings=163840,
-            rms_norm_eps=1e-6,
-            rope_theta=10000,
-            rope_scaling={
-                "type": "yarn",
-                "factor": 40,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-            attention_bias=False,
-            aux_loss_alpha=0.001,
-            architectures=["DeepseekV3ForCausalLM"],
+_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+HF_FAMILIES: dict[str, Family] = {
+    "deepseek_v3": Family(  # deepseek-ai/DeepSeek-V3
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+            num_key_value_heads=4, attention_bias=False,
+            kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,  # MLA
+            max_position_embeddings=163840, rope_theta=10000, rope_scaling=_YARN, rms_norm_eps=1e-6,
+            **_MOE, n_group=2, aux_loss_alpha=0.001, architectures=["DeepseekV3ForCausalLM"],
         ),
-        None,
     ),
-    "glm4_moe": (  # zai-org/GLM-4.5
-        "Glm4MoeConfig",
-        dict(
-            **_MOE,
-            num_key_value_heads=2,
-            head_dim=16,  # heads * head_dim != hidden_size, as in GLM-4.5 (96 * 128 vs 5120)
-            n_group=1,
-            partial_rotary_factor=0.5,
-            use_qk_norm=True,
-            attention_bias=True,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=1000000,
-            architectures=["Glm4MoeForCausalLM"],
+    "glm4_moe": Family(  # zai-org/GLM-4.5; heads * head_dim != hidden_size, as in GLM-4.5 (96 * 128 vs 5120)
+        "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+            num_key_value_heads=2, head_dim=16, use_qk_norm=True, attention_bias=True,
+            max_position_embeddings=131072, rope_theta=1000000, partial_rotary_factor=0.5, rms_norm_eps=1e-5,
+            **_MOE, n_group=1, architectures=["Glm4MoeForCausalLM"],
         ),
-        None,
     ),
-    "mimo": (  # XiaomiMiMo/MiMo-7B
-        "Qwen2Config",
-        dict(
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rms_norm_eps=1e-5,
-            rope_theta=640000,
-            use_sliding_window=False,
+    "mimo": Family(  # XiaomiMiMo/MiMo-7B
+        "Qwen2Config", "Qwen2ForCausalLM", dict(
+            num_key_value_heads=2, max_position_embeddings=32768, rope_theta=640000, use_sliding_window=False, rms_norm_eps=1e-5,
             architectures=["MiMoForCausalLM"],
         ),
-        "mimo",
+        model_type="mimo",
     ),
 }
 
@@ -149,14 +119,21 @@ _HF_CONFIGS: dict[str, tuple[str, dict[str, Any], Optional[str]]] = {
 def hf_config(family: str, depth: Optional[int] = 1, vocab_size: int = 64, num_layers: int = 2, sizes: Optional[dict[str, Any]] = None) -> Any:
     """transformers' config of ``family`` (one of ``FAMILIES``) with ``depth`` MTP layers (``None``: no MTP)
     after ``num_layers`` decoder layers; ``sizes`` replace the tiny sizes (e.g. the engine's kernel sizes)."""
-    if family not in _HF_CONFIGS:
+    if family not in HF_FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, received {family!r}")
-    class_name, settings, model_type = _HF_CONFIGS[family]
+    spec = HF_FAMILIES[family]
     extra = {} if depth is None else {"num_nextn_predict_layers": depth}
-    config = getattr(transformers, class_name)(vocab_size=vocab_size, **{**_EVERY_FAMILY, **settings, "num_hidden_layers": num_layers, **extra, **(sizes or {})})
-    if model_type is not None:
-        config.model_type = model_type
+    settings = {**_EVERY_FAMILY, **spec.settings, "num_hidden_layers": num_layers, **extra, **(sizes or {})}
+    config = getattr(transformers, spec.config_class)(vocab_size=vocab_size, **settings)
+    if spec.model_type is not None:
+        config.model_type = spec.model_type
     return config
+
+
+def hf_model_class(config: Any) -> type:
+    """transformers' model class of a family's config (``hf_config``'s), found by its config class."""
+    model_class = next(spec.model_class for spec in HF_FAMILIES.values() if spec.config_class == type(config).__name__)
+    return getattr(transformers, model_class)
 
 
 def _renaming_mla_config(**kwargs: Any) -> Any:
@@ -224,28 +201,6 @@ def gptmodel_args(bridge: Any) -> dict[str, Any]:
     return bridge._get_gptmodel_args()
 
 
-_ATTENTION_ENVIRONMENT = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
-@contextlib.contextmanager
-def attention_environment_kept() -> Iterator[None]:
-    """Restore the ``NVTE_*`` attention variables that building a ``GPTModel`` sets.
-
-    mcore sets them from ``config.attention_backend`` (DeepSeek-V3's bridge asks for ``fused``)
-    and refuses a later model of another backend in the same process. Our CPU attention reads
-    none of them.
-    """
-    saved = {name: os.environ.get(name) for name in _ATTENTION_ENVIRONMENT}
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 @dataclasses.dataclass
 class BridgeModel:
     """Shape of one bridge-built family: ``num_layers`` decoder layers, ``mtp_num_layers`` MTP layers (``None``: none).
@@ -296,7 +251,7 @@ class BridgeModel:
             mtp_spec = get_gpt_mtp_block_spec(
                 config, decoder_spec, use_transformer_engine=False, vp_stage=model_kwargs.get("vp_stage")
             )
-        with attention_environment_kept():
+        with environ_kept():  # mcore's NVTE_* attention variables: DeepSeek-V3's bridge asks for fused
             return GPTModel(
                 config=config,
                 transformer_layer_spec=decoder_spec,

@@ -109,14 +109,13 @@ def mbridge_pairs(bridge: Any, model: torch.nn.Module, mtp_only: bool = True, mc
 def hf_decoder_layers(family_config: Any, mtp_num_layers: int) -> dict[str, Tensor]:
     """transformers' model of ``family_config`` (a family's HF config with L decoder layers) built
     with L + N layers: the state of its layers L .. L + N - 1, by name."""
-    import transformers
+    from tests.support.bridge_models import hf_model_class
 
     settings = family_config.to_dict()
     settings.pop("layer_types", None)  # recomputed for the new layer count (Qwen2)
     num_layers = family_config.num_hidden_layers
     settings["num_hidden_layers"] = num_layers + mtp_num_layers
     config = type(family_config)(**settings)
-    architecture = {"DeepseekV3Config": "DeepseekV3ForCausalLM", "Glm4MoeConfig": "Glm4MoeForCausalLM", "Qwen2Config": "Qwen2ForCausalLM"}
-    model = getattr(transformers, architecture[type(family_config).__name__])(config)
+    model = hf_model_class(family_config)(config)
     wanted = tuple(f"model.layers.{num_layers + i}." for i in range(mtp_num_layers))
     return {name: tensor for name, tensor in model.state_dict().items() if name.startswith(wanted)}

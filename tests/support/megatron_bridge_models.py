@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from tests.support.bridge_models import CPU_OVERRIDES, attention_environment_kept, hf_config
+from mtp_hooks.testing import environ_kept
+from tests.support.bridge_models import CPU_OVERRIDES, hf_config
 
 
 class _Placeholder(types.ModuleType):
@@ -168,5 +169,5 @@ class ProvidedModel:
     def build(self, seed: int = 1234) -> torch.nn.Module:
         provider = self.provider()
         torch.manual_seed(seed)
-        with local_mtp_block_spec(), attention_environment_kept():
+        with local_mtp_block_spec(), environ_kept():
             return provider.provide()

@@ -24,14 +24,14 @@ import dataclasses
 from functools import partial
 from typing import Any, Iterator, Optional
 
-import torch
 from torch import Tensor, nn
 
 import mtp_hooks
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, cuda_calls_on_cpu, fused_wgrad_kernel_on_cpu, make_batch
-from mtp_hooks.testing import hooked_mtp_losses, output_layer_calls, tracked_mtp_losses
+from mtp_hooks.testing import hooked_mtp_losses
 from tests.support.megatron_loop import cuda_stream_on_cpu
 from tests.support.pipeline_cases import Case, Knobs
+from tests.support.pipeline_schedule import masked_sum_loss, run_schedule, stock_last_stage
 
 SEED = 1234
 MICRO_BATCHES = 4
@@ -125,12 +125,6 @@ def _wrap(chunks: list[nn.Module], knobs: Knobs) -> list[nn.Module]:
     return wrapped
 
 
-def _masked_sum(loss_mask: Tensor, per_token: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """mcore's 3-tuple loss: the schedule divides by the token count and the micro-batch count."""
-    loss = (per_token * loss_mask).sum()
-    return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
-
-
 @contextlib.contextmanager
 def _on_cpu(fusion: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -150,26 +144,9 @@ def _steps(model: list[nn.Module], batches: list[Batch], step: Any, records: tup
         for record in records:
             record.clear()
         MTPLossLoggingHelper.tracker.clear()
-        _schedule(model, batches, step)
-
-
-def _schedule(model: list[nn.Module], batches: list[Batch], step: Any) -> None:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator: Iterator[Batch], chunk: nn.Module) -> tuple[Tensor, Any]:
-        return step(chunk, next(data_iterator))
-
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(batches) for _ in model] if len(model) > 1 else iter(batches),
-        model=model if len(model) > 1 else model[0],
-        num_microbatches=len(batches),
-        seq_length=SEQ,  # the whole sequence: the schedule divides it by CP for the p2p shapes
-        micro_batch_size=batches[0].input_ids.shape[0],
-        forward_only=False,
-    )
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        run_schedule(model, batches, step, seq_length=SEQ)  # the whole sequence: the schedule divides it by CP
 
 
 def _tracker() -> dict[str, Tensor]:
@@ -204,14 +181,10 @@ def run_stock(knobs: Knobs, vpp: Optional[int], batches: list[Batch]) -> Run:
             gpt = chunk.module
             if not gpt.post_process:
                 return chunk(*batch.model_args, **targets), None
-            tracked = tracked_mtp_losses()
-            before = torch.zeros(gpt.config.mtp_num_layers) if tracked is None else tracked.clone()
-            with output_layer_calls(gpt) as calls:
+            with stock_last_stage(gpt, gpt.config.mtp_num_layers, outputs, mtp):
                 per_token = chunk(*batch.model_args, **targets)
-            outputs.append(calls[-1].transpose(0, 1))
             outputs.append(-per_token.detach())  # the main head's log-probs of the labels
-            mtp.append((tracked_mtp_losses() - before).tolist())
-            return per_token, partial(_masked_sum, batch.loss_mask)
+            return per_token, partial(masked_sum_loss, batch.loss_mask)
 
         _steps(model, batches, step, (outputs, mtp))
         return _finish(model, outputs, mtp)
@@ -244,7 +217,7 @@ def run_hooked(case: Case, batches: list[Batch]) -> Run:
                 per_token = gpt.compute_language_model_loss(batch.labels, output.transpose(0, 1).contiguous())
             metrics = mtp_hooks.hooks_of(chunk).metrics()
             mtp.append(hooked_mtp_losses(metrics, gpt.config.mtp_num_layers))
-            return per_token, partial(_masked_sum, batch.loss_mask)
+            return per_token, partial(masked_sum_loss, batch.loss_mask)
 
         try:
             _steps(model, batches, step, (outputs, mtp))

@@ -50,4 +50,6 @@ def assert_same_mtp_losses(metrics: dict[str, float], stock: list[float], rel: f
     hooked = hooked_mtp_losses(metrics, len(stock))
     for depth, (ours, theirs) in enumerate(zip(hooked, stock), start=1):
         close = ours == theirs or math.fabs(ours - theirs) <= max(rel * math.fabs(theirs), abs)
-        assert close, f"MTP loss of depth {depth}: hooks {ours}, stock {theirs} (rel={rel}, abs={abs}); all: {hooked} vs {stock}"
+        assert close, (
+            f"MTP loss of depth {depth}: hooks {ours}, stock {theirs} (rel={rel}, abs={abs}); all: {hooked} vs {stock}"
+        )

@@ -78,7 +78,12 @@ def output_layer_calls(model: nn.Module, keep_graph: bool = False) -> Iterator[l
     previous = sys.getprofile()
 
     def profile(frame: Any, event: str, value: Any) -> None:
-        if event == "return" and frame.f_code is forward_code and frame.f_locals.get("self") is layer and value is not None:
+        if (
+            event == "return"
+            and frame.f_code is forward_code
+            and frame.f_locals.get("self") is layer
+            and value is not None
+        ):
             calls.append(value[0].clone() if keep_graph else value[0].detach().clone())
         if previous is not None:  # an enclosing recorder (of another model) keeps recording
             previous(frame, event, value)
