@@ -130,13 +130,13 @@ def test_mbridge_glm4_moe_writes_both_mtp_layers_under_the_first_the_engine_refu
         engines(_folder(exports, "glm4_moe_depth2", "bridge"), 1)  # loaded from a folder: refused
     llm = engines(_folder(exports, "glm4_moe_depth2", "fixed"), 1)
     assert generate_greedy(llm, PROMPTS, TOKENS).per_position == (1.0,)
-    # streamed into the running engine (as verl streams it): layer 1 takes layer 2's tensors, layer 2 none
+    # streamed into the running engine (as verl streams it): layer 1 would take layer 2's tensors, layer 2 none
     out, _ = exports
     layout = LAYOUTS["deepseek_v3"]
     streamed = [(n, t) for n, t in load_file(str(out / "glm4_moe_depth2" / "bridge.safetensors")).items() if layout.mtp_layer_of(n, em.LAYERS) is not None]
-    with pytest.raises(MTPHooksError, match=r"parameters not reached \['model\.layers\.3\."):
+    with pytest.raises(MTPHooksError, match=r"(?s)nothing was written.*would leave unwritten \['model\.layers\.3\."):
         VLLMSync(llm).push(streamed)
-    assert generate_greedy(llm, PROMPTS, TOKENS).per_position[0] <= 0.05  # drafting with layer 2's random eh_proj
+    assert generate_greedy(llm, PROMPTS, TOKENS).per_position == (1.0,)  # refused before writing: the draft is as it was
     assert _served_fixed(exports, "glm4_moe_depth2", llm) == 1.0
 
 
