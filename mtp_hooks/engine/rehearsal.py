@@ -48,10 +48,14 @@ class _CopyCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
         if func is torch.ops.aten.copy_.default:
             if args[0].numel() != args[1].numel():
-                raise AssertionError(f"copy of a tensor of shape {tuple(args[1].shape)} into one of shape {tuple(args[0].shape)}")
+                raise AssertionError(
+                    f"copy of a tensor of shape {tuple(args[1].shape)} into one of shape {tuple(args[0].shape)}"
+                )
             self.count += args[0].numel()
         return func(*args, **(kwargs or {}))
 
@@ -85,7 +89,9 @@ def _load_format_on_meta(model: nn.Module) -> Iterator[dict[int, str]]:
                 continue
             params, buffers = get_layerwise_info(layer).restore_metadata
             plain = {n: layer.__dict__[n] for n in (*params, *buffers) if n in layer.__dict__}
-            saved.append((layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set), plain))
+            saved.append(
+                (layer, dict(layer._parameters), dict(layer._buffers), set(layer._non_persistent_buffers_set), plain)
+            )
             new_params = {n: restore_layer_refs(p, layer) for n, p in params.items()}
             new_params.update({n: meta(p) for n, p in layer._parameters.items() if n in SKIP_TENSORS and p is not None})
             new_buffers = {n: restore_layer_refs(b, layer) for n, b in buffers.items()}
