@@ -1,14 +1,18 @@
-# Every target builds its own virtualenv from pinned requirements on first use.
-PYTHON ?= python3.11
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
+# Every target builds its own virtualenv from pinned requirements on first use. torch comes from
+# TORCH_INDEX (the CPU wheel index by default, as the README's Install; a CUDA index for a GPU build),
+# pip's usual index for the rest.
+PYTHON      ?= python3.11
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+export TORCH_INDEX
 
 .PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check engine-env test-engine engine-sync-bench acceptance-engine
 
+# The README's pip path (scripts/venv.sh), which keeps a $(VENV) that already holds the pinned stack:
+# after the pip path by hand, the first make only writes the stamp.
 $(VENV)/.installed: requirements/py311.txt pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements/py311.txt
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHON=$(PYTHON) scripts/venv.sh $(VENV)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -78,7 +82,7 @@ ENGINE_PRELOAD = $(if $(ENGINE_GPU),,LD_PRELOAD=$(abspath $(ENGINE_VENV))/lib/li
 
 $(ENGINE_VENV)/.installed: $(ENGINE_REQUIREMENTS) pyproject.toml
 	$(PYTHON) -m venv $(ENGINE_VENV)
-	$(ENGINE_PY) -m pip install -q $(if $(ENGINE_GPU),,--no-deps) -r $(ENGINE_REQUIREMENTS)
+	$(ENGINE_PY) -m pip install -q $(if $(ENGINE_GPU),,--no-deps --extra-index-url $(TORCH_INDEX)) -r $(ENGINE_REQUIREMENTS)
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(ENGINE_PY) -m pip install -q --no-deps -e .
 	touch $@
@@ -95,7 +99,7 @@ acceptance-engine: engine-env  ## the acceptance benchmark measured by vLLM at T
 engine-sync-bench: engine-env  ## seconds and bytes per push into the engine: the MTP layers against the whole model
 	$(ENGINE_PRELOAD) $(ENGINE_PY) -m benchmarks.engine_sync $(ENGINE_SYNC_ARGS)
 
-bench: venv  ## the main job: benchmark against stock mcore and verl (its variant needs make verl-env; exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
+bench: venv  ## the cost benchmark against stock mcore and verl (its variant needs make verl-env; exact FLOPs, memory, syncs, H2D; timed rounds). BENCH_ARGS=--quick: seconds-long shapes, exact goals checked
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 install-check:  ## the README's install commands in a fresh virtualenv (scripts/check_install.sh)
@@ -104,12 +108,14 @@ install-check:  ## the README's install commands in a fresh virtualenv (scripts/
 acceptance: venv  ## draft acceptance through an RL run over 3 seeds on the standard library's code: frozen MTP vs ce / distill / tv / accept at T = 1.0 and 0.7 (ACCEPTANCE_ARGS=--quick: minutes; --task words: the synthetic language)
 	$(PY) -m benchmarks.acceptance $(ACCEPTANCE_ARGS)
 
-demo: venv  ## tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
+demo: venv  ## the main job, in seconds: a tiny CPU model: train MTP on some micro-batches, skip it on others, check against stock
 	$(PY) -m benchmarks.demo
 
-examples: venv  ## run examples/quickstart.py and examples/rl_step.py
+examples: venv  ## run the examples: quickstart.py, rl_step.py, and engine_loop.py where .vllm is built (make engine-env)
 	$(PY) examples/quickstart.py
 	$(PY) examples/rl_step.py
+	@if [ -f .vllm/.installed ]; then LD_PRELOAD=$(abspath .vllm)/lib/libiomp5.so HF_HUB_OFFLINE=1 .vllm/bin/python examples/engine_loop.py; \
+	else echo "examples/engine_loop.py: not run, it runs in the vLLM environment (make engine-env builds it)"; fi
 
 clean:  ## remove what the targets made: every venv, the release folders, overlays and outputs
 	rm -rf $(VENV) .venv-* .vllm .vllm-gpu .mcore .verl .bridges bench-out matrix-out

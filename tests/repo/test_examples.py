@@ -1,6 +1,6 @@
 """The examples in ``examples/`` run as a new user runs them (``python examples/<name>.py``) and print
 finite MTP metrics for every depth (the draft's acceptance included), a verdict line, and exactly what
-the README's Quickstart shows.
+docs/quickstart.md shows (the README links there).
 
 Each runs in its own interpreter: the examples start their own process group and mcore parallel
 state, which this test session already holds. The repository root goes first on ``PYTHONPATH``
@@ -43,29 +43,29 @@ def run_example(name: str) -> str:
     return result.stdout
 
 
-def readme_output(name: str) -> list[str]:
-    """The output the README's Quickstart shows for ``examples/<name>`` (a block indented in a list item)."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(f"$ .venv/bin/python examples/{name}\n", 1)[1].split("```", 1)[0]
+def shown_output(name: str) -> list[str]:
+    """The output docs/quickstart.md shows for ``examples/<name>`` (a block indented in a list item)."""
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    block = quickstart.split(f"$ .venv/bin/python examples/{name}\n", 1)[1].split("```", 1)[0]
     return [line[2:] if line.startswith("  ") else line for line in block.rstrip().splitlines()]
 
 
 def on_default_stack() -> bool:
-    """The README shows the default stack's output: the pinned megatron-core, on the CPU."""
+    """docs/quickstart.md shows the default stack's output: the pinned megatron-core, on the CPU."""
     pins = (ROOT / "requirements" / "py311.txt").read_text()
     return f"megatron-core=={megatron.core.__version__}" in pins and not torch.cuda.is_available()
 
 
-def assert_readme_shows_the_output(name: str, output: str) -> None:
+def assert_quickstart_shows_the_output(name: str, output: str) -> None:
     """Line for line; elsewhere than the default stack (other init or kernels), with numbers masked and
     without the verdict, whose words follow the numbers."""
-    shown, printed = readme_output(name), output.rstrip("\n").splitlines()
+    shown, printed = shown_output(name), output.rstrip("\n").splitlines()
     if not on_default_stack():
         def mask(lines: list[str]) -> list[str]:
             return [NUMBER.sub("#", line) for line in lines if not line.startswith("verdict:")]
 
         shown, printed = mask(shown), mask(printed)
-    assert shown == printed, f"README.md's Quickstart shows for examples/{name}:\n" + "\n".join(shown) + "\nbut it printed:\n" + "\n".join(printed)
+    assert shown == printed, f"docs/quickstart.md shows for examples/{name}:\n" + "\n".join(shown) + "\nbut it printed:\n" + "\n".join(printed)
 
 
 def metrics_lines(output: str) -> list[dict[str, float]]:
@@ -97,7 +97,7 @@ def test_quickstart_trains_mtp_on_the_training_micro_batch_and_prints_its_metric
     assert len(trained) == 1, output
     assert_every_depth_trained(trained[0], depths=2)
     assert output.splitlines()[-1] == "verdict: logits, MTP gradients and acceptance metrics as expected, hooks removed cleanly", output
-    assert_readme_shows_the_output("quickstart.py", output)
+    assert_quickstart_shows_the_output("quickstart.py", output)
 
 
 def test_rl_step_runs_grpo_iterations_through_mcores_schedule_with_mtp_metrics() -> None:
@@ -118,4 +118,4 @@ def test_rl_step_runs_grpo_iterations_through_mcores_schedule_with_mtp_metrics()
     verdict = output.splitlines()[-1]
     assert verdict.startswith(f"verdict: every MTP depth trained in all {iterations} iterations"), output
     assert ("fell" in verdict) != ("did not fall" in verdict), verdict
-    assert_readme_shows_the_output("rl_step.py", output)
+    assert_quickstart_shows_the_output("rl_step.py", output)

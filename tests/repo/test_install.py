@@ -98,47 +98,99 @@ def test_megatron_core_floor_is_the_oldest_release_ci_runs() -> None:
 def test_python_floor_is_the_default_stacks_python() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["requires-python"] == ">=3.11"
-    assert "PYTHON ?= python3.11" in (ROOT / "Makefile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^PYTHON +\?= python3\.11$", makefile, re.M), "the Makefile's default PYTHON is not python3.11"
+
+
+def _readme_install() -> str:
+    """The README's Install section."""
+    return (ROOT / "README.md").read_text().split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _bash_blocks(text: str) -> list[list[str]]:
+    """The commands of each ```bash block of ``text``, comments and blank lines dropped."""
+    blocks = [block.split("```", 1)[0] for block in text.split("```bash\n")[1:]]
+    commands = [[line.split("#")[0].strip() for line in block.splitlines()] for block in blocks]
+    return [[command for command in block if command] for block in commands]
+
+
+def _make_rule(target: str) -> str:
+    """The Makefile rule of ``target``: its prerequisites line and recipe."""
+    return (ROOT / "Makefile").read_text().split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+
+
+def _default_torch_index() -> str:
+    found = re.search(r"^TORCH_INDEX \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert found, "the Makefile sets no default TORCH_INDEX"
+    return found.group(1)
+
+
+def test_readme_install_starts_with_make_demo_and_make_test() -> None:
+    """The Install section's first commands are the two make targets: the main job, then the suite; both
+    build .venv first (make venv), and the pip path comes after them."""
+    install = _readme_install()
+    blocks = _bash_blocks(install)
+    assert install.startswith("```bash\n") and blocks[0] == ["make demo", "make test"], install[:200]
+    assert len(blocks) == 2 and blocks[1][0].startswith("python3.11 -m venv .venv"), blocks
+    demo, test = _make_rule("demo"), _make_rule("test")
+    assert demo.split("\n", 1)[0].split("##")[0].split() == ["venv"] and "-m benchmarks.demo" in demo, demo
+    assert test.split("\n", 1)[0].split("##")[0].split() == ["venv"] and "-m pytest -q" in test, test
+    assert "scripts/venv.sh" in (ROOT / "Makefile").read_text().split("/.installed:", 1)[1].split("\n\n", 1)[0]
 
 
 def test_readme_install_installs_torch_first_and_constrains_to_ci_stack() -> None:
-    readme = (ROOT / "README.md").read_text()
-    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
-    script = (ROOT / "scripts" / "check_install.sh").read_text()
-    assert 'pip install -e ".[test]" -c requirements/py311.txt' in install
-    assert '-e ".[test]" -c requirements/py311.txt' in script
-    assert "torch" in install.split('pip install -e ".[test]"', 1)[0], "torch must come before mtp_hooks"
+    """The pip path, exactly: torch CI's version from the CPU wheel index as an extra index (the index the
+    make targets and scripts/check_install.sh default to), then mtp_hooks constrained to CI's stack, then the
+    suite as ``make test`` runs it. ``make`` after it keeps that .venv (scripts/venv.sh checks the stack with
+    scripts/check_stack.py first)."""
+    install = _readme_install()
+    torch_pin = _pins(ROOT / "requirements" / "py311.txt")["torch"]
+    index = _default_torch_index()
+    assert index == "https://download.pytorch.org/whl/cpu", index
+    assert _bash_blocks(install)[1] == [
+        "python3.11 -m venv .venv && . .venv/bin/activate",
+        f"pip install torch=={torch_pin} --extra-index-url {index}",
+        'pip install -e ".[test]" -c requirements/py311.txt',
+        "python -m pytest -q",
+    ], _bash_blocks(install)[1]
+    for name in ("check_install.sh", "venv.sh"):
+        script = (ROOT / "scripts" / name).read_text()
+        assert f'TORCH_INDEX="${{TORCH_INDEX:-{index}}}"' in script, name
+        assert '--extra-index-url "$TORCH_INDEX"' in script and '-e ".[test]" -c requirements/py311.txt' in script, name
+        assert "scripts/check_stack.py" in script, name
+    assert f"torch=={torch_pin}" in (ROOT / "scripts" / "check_install.sh").read_text()
+    assert f'TORCH_VERSION="${{TORCH_VERSION:-{torch_pin}}}"' in (ROOT / "scripts" / "venv.sh").read_text()
+    assert "scripts/venv.sh" in install and "scripts/check_stack.py" in install, "the README no longer says make keeps .venv"
     assert "make install-check" in (ROOT / ".ci" / "run").read_text()
-    assert "scripts/check_install.sh" in (ROOT / "Makefile").read_text().split("install-check:", 1)[1].split("\n\n", 1)[0]
+    assert "scripts/check_install.sh" in _make_rule("install-check")
 
 
-def test_ci_runs_every_readme_command() -> None:
-    """Each command the README's Commands table names is run by .ci/run (quick forms where it has them)."""
+def _documented_commands() -> list[tuple[str, str]]:
+    """(command, what it does) for each row of docs/development.md's Commands table."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    table = text.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(make [a-z0-9-]+)` \|(.*)\|$", table, re.M)
+
+
+def test_ci_runs_every_documented_command() -> None:
+    """Each command of docs/development.md's Commands table is run by .ci/run (quick forms where it has them),
+    but those the table says CI does not run, which .ci/run then must not run either."""
     ci = (ROOT / ".ci" / "run").read_text()
-    readme = (ROOT / "README.md").read_text()
-    commands = sorted(set(re.findall(r"^\| `(make [a-z0-9-]+)", readme.split("## Commands", 1)[1].split("\n## ", 1)[0], re.M)))
-    assert "make demo" in commands and "make bench" in commands, commands
-    for command in commands:
-        assert re.search(rf"^[^#]*{command}\b", ci, re.M), f"{command} is in the README's Commands table but .ci/run does not run it"
+    rows = _documented_commands()
+    commands = sorted({command for command, _ in rows})
+    assert {"make demo", "make test", "make bench", "make install-check"} <= set(commands), commands
+    for command, what in rows:
+        run = re.search(rf"^[^#]*{command}\b", ci, re.M)
+        if "not run by CI" in what:
+            assert not run, f"{command}: docs/development.md says CI does not run it, but .ci/run does"
+        else:
+            assert run, f"{command} is in docs/development.md's Commands table but .ci/run does not run it"
     assert 'BENCH_ARGS="--quick' in ci and 'ACCEPTANCE_ARGS="--quick' in ci
 
 
-def test_readme_install_ends_with_the_test_command_and_its_skips_add_up() -> None:
-    """The Install block's last command runs the suite as ``make test`` does, and the counts the README says
-    it prints are consistent: the skips it accounts for add up to the skipped count it quotes."""
-    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
-    block = install.split("```bash", 1)[1].split("```", 1)[0]
-    last = [line.split("#")[0].strip() for line in block.strip().splitlines()][-1]
-    assert last == "python -m pytest -q", last
-    make_test = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
-    assert "-m pytest -q" in make_test, make_test
-    text = " ".join(install.split())
-    counts = re.search(r"`(\d+) passed, (\d+) skipped, (\d+) xfailed(?:, \d+ warnings)? in [^`]+`", text)
-    assert counts, "the README quotes no counts of the test command"
-    skipped = int(counts.group(2))
-    own_env = [int(n) for n in re.findall(r"\((\d+), `make test-[a-z-]+`\)", text)]
-    others = re.search(r"Every skip prints its reason: (\d+) of them run in environments of their own", text)
-    releases = re.search(r"(\d+) test what other megatron-core releases have", text)
-    assert others and releases and len(own_env) == 4, text
-    assert sum(own_env) == int(others.group(1)), (own_env, others.group(1))
-    assert int(others.group(1)) + int(releases.group(1)) + 1 == skipped  # + the one needing a CUDA device
+def test_every_make_command_the_readme_names_is_documented() -> None:
+    """The README names a few make targets; each is a row of docs/development.md's Commands table."""
+    named = set(re.findall(r"`(make [a-z0-9-]+)", (ROOT / "README.md").read_text()))
+    documented = {command for command, _ in _documented_commands()}
+    assert {"make demo", "make test"} <= named, named
+    assert named <= documented, sorted(named - documented)
