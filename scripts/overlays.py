@@ -106,9 +106,13 @@ def ensure_venv(venv: Path, interpreter: str, requirements: Path) -> Path:
     if venv.exists():
         shutil.rmtree(venv)
     run([interpreter, "-m", "venv", str(venv)])
-    # torch from TORCH_INDEX (the CPU wheel index unless the Makefile is told otherwise), the rest from pip's index
+    # torch first, from TORCH_INDEX (the CPU wheel index unless the Makefile is told otherwise); the rest from pip's
+    # own index alone (an index out of reach would cost pip its retries for every package)
     torch_index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
-    run([str(python), "-m", "pip", "install", "-q", "--extra-index-url", torch_index, "-r", str(requirements)])
+    torch_pins = re.findall(r"^torch==\S+", requirements.read_text(), re.M)
+    if torch_pins:
+        run([str(python), "-m", "pip", "install", "-q", "--extra-index-url", torch_index, *torch_pins])
+    run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)])
     stamp.write_text(wanted)
     return python
 
