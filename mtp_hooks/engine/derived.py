@@ -117,12 +117,6 @@ def prove_mla(layer: str, attention: nn.Module, kv_b_proj: Tensor) -> list[Deriv
     return found
 
 
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    assert isinstance(found, torch.dtype), name
-    return found
-
-
 def prove_pushed(
     model: nn.Module, pairs: Sequence[tuple[str, Tensor]], writes: Sequence[Write]
 ) -> tuple[list[str], list[str]]:
@@ -139,6 +133,6 @@ def prove_pushed(
         if write is None:
             continue
         backends += [b for b in mla_backends(module) if b not in backends]
-        pushed = tensors[write.name].to(_dtype(write.dtype))
+        pushed = tensors[write.name].to(write.torch_dtype)
         mismatches += [f"{m.layer}.{m.tensor}: {m.reason}" for m in prove_mla(prefix, module, pushed)]
     return backends, mismatches

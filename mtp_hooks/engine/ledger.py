@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
+import torch
+
 from mtp_hooks.errors import StaleDraftError
 
 __all__ = ["Ledger", "Write", "compare"]
@@ -32,6 +34,14 @@ class Write:
     dtype: str  # the engine's dtype, e.g. "torch.bfloat16"
     loaded: int  # checksum of the view right after the write
     live: Optional[int] = None  # checksum of the same view after the engine's processing; None: released
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as the ``torch.dtype`` it names."""
+        found = getattr(torch, self.dtype.removeprefix("torch."), None)
+        if not isinstance(found, torch.dtype):
+            raise AssertionError(f"a write recorded with dtype {self.dtype!r}")
+        return found
 
 
 Ledger = Mapping[str, Sequence[Write]]

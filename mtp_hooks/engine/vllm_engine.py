@@ -54,6 +54,14 @@ CONFIGS = ("cpu", "gpu")
 STOPPED = "_mtp_hooks_stopped"  # set on an LLM by stop_vllm: the engine wing refuses it afterwards
 
 
+def refuse_stopped(llm: Any, call: str) -> None:
+    """``MTPHooksError`` if ``stop_vllm`` stopped ``llm``: ``call`` would meet a half-torn-down engine."""
+    if getattr(llm, STOPPED, False):
+        raise MTPHooksError(
+            f"llm: refused\n  expected: a running engine for {call}\n  received: an engine stopped by stop_vllm"
+        )
+
+
 def engine_environment(config: str = "cpu", kv_cache_gib: int = 1) -> dict[str, str]:
     """The environment variables ``start_vllm`` sets (if unset) before importing vLLM."""
     if config not in CONFIGS:
@@ -243,11 +251,7 @@ def generate_sampled(
 def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: list[Any]) -> EngineAcceptance:
     from vllm.inputs import TokensPrompt
 
-    if getattr(llm, STOPPED, False):
-        raise MTPHooksError(
-            "llm: refused\n  expected: a running engine for generate\n  received: an engine stopped by stop_vllm"
-        )
-
+    refuse_stopped(llm, "generate")
     before = spec_decode_counts(llm)
     start = time.perf_counter()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)

@@ -32,7 +32,7 @@ from mtp_hooks.engine.checksums import checksums
 from mtp_hooks.engine.ledger import Write, compare
 from mtp_hooks.engine.vllm_worker import ROLES, PushOutcome, live_checksums_on_worker, push_on_worker
 from mtp_hooks.engine.vllm_cpu_fix import install_sampling_fix_for
-from mtp_hooks.engine.vllm_engine import STOPPED
+from mtp_hooks.engine.vllm_engine import refuse_stopped
 from mtp_hooks.errors import MTPHooksError, StaleDraftError, bad_argument, describe
 
 __all__ = ["PushReport", "VLLMSync"]
@@ -75,12 +75,6 @@ def validated_pairs(weights: Any) -> list[tuple[str, Tensor]]:
     if twice:
         raise bad_argument("weights", "each name once", f"{twice[:8]} more than once")
     return pairs
-
-
-def _dtype(name: str) -> torch.dtype:
-    found = getattr(torch, name.removeprefix("torch."), None)
-    assert isinstance(found, torch.dtype), name
-    return found
 
 
 class VLLMSync:
@@ -169,10 +163,7 @@ class VLLMSync:
         )
 
     def _alive(self, call: str) -> None:
-        if getattr(self._llm, STOPPED, False):
-            raise MTPHooksError(
-                f"llm: refused\n  expected: a running engine for {call}\n  received: an engine stopped by stop_vllm"
-            )
+        refuse_stopped(self._llm, call)
 
     def check(self, weights: Iterable[tuple[str, Tensor]], *, model: str = "draft") -> int:
         """Prove that the engine's ``model`` holds ``weights``: per-tensor checksums on each side.
@@ -200,7 +191,7 @@ class VLLMSync:
                 "  push the trainer's weights again"
             )
         ledger = self._ledgers[role]
-        dtypes = {name: _dtype(ledger[name][0].dtype) if ledger.get(name) else self.engine_dtype() for name, _ in pairs}
+        dtypes = {name: ledger[name][0].torch_dtype if ledger.get(name) else self.engine_dtype() for name, _ in pairs}
         trainer = checksums(pairs, dtypes)
         probes = [(name, index, write) for name, writes in ledger.items() for index, write in enumerate(writes)]
         live: dict[tuple[str, int], Optional[int]] = {}
