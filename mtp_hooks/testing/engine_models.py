@@ -26,9 +26,11 @@ The folders are written by the library's own export (``mtp_hooks.export.save_hf_
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from mtp_hooks.export import FAMILIES as EXPORT_FAMILIES
 from mtp_hooks.export import hf_config as derived_hf_config
 from mtp_hooks.export import hf_weights, save_hf_folder, write_hf_folder
-from mtp_hooks.testing.deepseek import TinyDeepSeek
+from mtp_hooks.testing.deepseek import TinyDeepSeek, deepseek_missing
 from mtp_hooks.testing.gpt import TinyQwen
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
@@ -77,6 +79,25 @@ class TinyGlm(TinyDeepSeek):
         kwargs.update(multi_latent_attention=False, num_query_groups=self.num_query_groups, kv_channels=head)
         kwargs.update(qk_layernorm=True, add_qkv_bias=True)
         return TransformerConfig(**kwargs)
+
+
+@functools.cache
+def family_missing(family: str) -> Optional[str]:
+    """Why this megatron-core cannot build ``family``'s shape on CPU, or ``None`` when it can."""
+    if family == "mimo":
+        return None
+    missing = deepseek_missing()
+    if missing is not None or family != "deepseek_v3":
+        return missing
+    # 0.19 resolves MLA's qk norm anew: without a query down-projection the query norm must be fused into
+    # linear_q_proj, and only Transformer Engine has such a layer.
+    resolver = importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None
+    if resolver and importlib.util.find_spec("transformer_engine") is None:
+        return (
+            "this megatron-core builds MLA with qk_layernorm and no query down-projection (q_lora_rank=None, "
+            "the engine's DeepSeek-V3 shape) only with Transformer Engine's fused norm+linear, absent here"
+        )
+    return None
 
 
 def shape(

@@ -36,6 +36,11 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 needs_deepseek = pytest.mark.skipif(DEEPSEEK_MISSING is not None, reason=f"no DeepSeek-style model on CPU: {DEEPSEEK_MISSING}")
 
 
+def needs_family(family: str) -> pytest.MarkDecorator:
+    missing = em.family_missing(family)
+    return pytest.mark.skipif(missing is not None, reason=f"no {family} engine shape on CPU: {missing}")
+
+
 @pytest.fixture(autouse=True)
 def _moe_mla() -> Iterator[None]:
     with moe_mla_on_cpu():
@@ -74,7 +79,7 @@ def family_model(family: str, **shape_kwargs: Any) -> torch.nn.Module:
 # ------------------------------------------------------------------------------ names, shapes, values
 
 
-@pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=needs_deepseek), pytest.param("glm4_moe", marks=needs_deepseek), "mimo"])
+@pytest.mark.parametrize("family", [pytest.param(family, marks=needs_family(family)) for family in em.FAMILIES])
 def test_whole_model_pairs_are_what_the_engine_folders_held(family: str) -> None:
     model = family_model(family)
     layout = FAMILIES[family]
@@ -138,7 +143,7 @@ def test_hooks_attached_change_nothing() -> None:
 # ------------------------------------------------------------------------------ config
 
 
-@pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=needs_deepseek), pytest.param("glm4_moe", marks=needs_deepseek), "mimo"])
+@pytest.mark.parametrize("family", [pytest.param(family, marks=needs_family(family)) for family in em.FAMILIES])
 def test_config_fields_come_from_the_mcore_config_and_the_model(family: str) -> None:
     model = em.trainer(family)
     config = hf_config(model, family)

@@ -28,7 +28,10 @@ SHAPES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "TinyDeepSeek": (TinyDeepSeek, deepseek_missing),
     "TinyHybrid": (TinyHybrid, hybrid_mtp_missing),
     "TinyHybridMoE": (TinyHybridMoE, hybrid_moe_missing),
-    **{f"engine_models {name}": (lambda name=name: engine_models.shape(name), deepseek_missing) for name in engine_models.FAMILIES},
+    **{
+        f"engine_models {name}": (lambda name=name: engine_models.shape(name), lambda name=name: engine_models.family_missing(name))
+        for name in engine_models.FAMILIES
+    },
 }
 
 
