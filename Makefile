@@ -82,7 +82,7 @@ ENGINE_PRELOAD = $(if $(ENGINE_GPU),,LD_PRELOAD=$(abspath $(ENGINE_VENV))/lib/li
 
 $(ENGINE_VENV)/.installed: $(ENGINE_REQUIREMENTS) pyproject.toml
 	$(PYTHON) -m venv $(ENGINE_VENV)
-	$(if $(ENGINE_GPU),,$(ENGINE_PY) -m pip install -q --no-deps --extra-index-url $(TORCH_INDEX) $$(grep -E '^torch==' $(ENGINE_REQUIREMENTS)))
+	$(if $(ENGINE_GPU),,$(ENGINE_PY) -m pip install -q --no-deps $$($(PYTHON) scripts/torch_index.py $(TORCH_INDEX)) $$(grep -E '^torch==' $(ENGINE_REQUIREMENTS)))
 	$(ENGINE_PY) -m pip install -q $(if $(ENGINE_GPU),,--no-deps) -r $(ENGINE_REQUIREMENTS)
 	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(ENGINE_PY) -m pip install -q --no-deps -e .

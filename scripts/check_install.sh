@@ -13,6 +13,7 @@ venv="$(mktemp -d)/venv"
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 "$PYTHON" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" torch==2.13.0 --extra-index-url "$TORCH_INDEX"
+# shellcheck disable=SC2046  # torch_index.py prints the index option, or nothing where the index is out of reach
+"${pip[@]}" torch==2.13.0 $("$PYTHON" scripts/torch_index.py "$TORCH_INDEX")
 "${pip[@]}" -e ".[test]" -c requirements/py311.txt
 "$venv/bin/python" scripts/check_stack.py

@@ -25,6 +25,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+import torch_index  # scripts/ is on the path: this module is imported by, or run as, a script there
+
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = ".requirements-sha256"
 
@@ -106,12 +108,12 @@ def ensure_venv(venv: Path, interpreter: str, requirements: Path) -> Path:
     if venv.exists():
         shutil.rmtree(venv)
     run([interpreter, "-m", "venv", str(venv)])
-    # torch first, from TORCH_INDEX (the CPU wheel index unless the Makefile is told otherwise); the rest from pip's
-    # own index alone (an index out of reach would cost pip its retries for every package)
-    torch_index = os.environ.get("TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+    # torch first, from TORCH_INDEX where it answers (the CPU wheel index unless the Makefile is told otherwise);
+    # the rest from pip's own index alone (an index out of reach would cost pip its retries for every package)
     torch_pins = re.findall(r"^torch==\S+", requirements.read_text(), re.M)
     if torch_pins:
-        run([str(python), "-m", "pip", "install", "-q", "--extra-index-url", torch_index, *torch_pins])
+        index = torch_index.main_args(os.environ.get("TORCH_INDEX", torch_index.DEFAULT))
+        run([str(python), "-m", "pip", "install", "-q", *index, *torch_pins])
     run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)])
     stamp.write_text(wanted)
     return python

@@ -18,6 +18,7 @@ if [ -x "$venv/bin/python" ] && "$venv/bin/python" "${check[@]}" --quiet 2>/dev/
 fi
 [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"
+# shellcheck disable=SC2046  # torch_index.py prints the index option, or nothing where the index is out of reach
+"${pip[@]}" "torch==$TORCH_VERSION" $("$PYTHON" scripts/torch_index.py "$TORCH_INDEX")
 "${pip[@]}" -e ".[test]" -c requirements/py311.txt
 "$venv/bin/python" "${check[@]}"
