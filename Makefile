@@ -24,8 +24,9 @@ test: venv  ## run the test suite
 # $(VENV) with each release first on PYTHONPATH (.mcore/<version>), the Python 3.12 releases in
 # .venv-py312 from a Python 3.12 interpreter (PY312=..., default python3.12 on PATH). A requested
 # release that cannot run (no Python 3.12) fails the target; ALLOW_SKIP=1 reports it and goes on.
-# MATRIX_VERSIONS=0.14.0,0.19.2 picks releases; results in matrix-out/.
-MATRIX_OPTS = $(if $(PY312),--python312 $(PY312)) $(if $(MATRIX_VERSIONS),--versions $(MATRIX_VERSIONS)) $(if $(ALLOW_SKIP),--allow-skip)
+# MATRIX_VERSIONS=0.14.0,0.19.2 picks releases; MATRIX_JOBS=2 runs two side by side (a core each, logs only);
+# results in matrix-out/.
+MATRIX_OPTS = $(if $(PY312),--python312 $(PY312)) $(if $(MATRIX_VERSIONS),--versions $(MATRIX_VERSIONS)) $(if $(MATRIX_JOBS),--jobs $(MATRIX_JOBS)) $(if $(ALLOW_SKIP),--allow-skip)
 
 matrix: venv  ## run the test suite on every supported megatron-core release
 	$(PY) scripts/matrix.py --python311 $(PY) $(MATRIX_OPTS) -- $(PYTEST_ARGS)

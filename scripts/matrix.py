@@ -21,12 +21,13 @@ unless asked for explicitly).
 
 The environments are built by ``scripts/overlays.py``.
 
-Usage: ``python scripts/matrix.py [--versions 0.14.0,0.19.2] [--build-only] [--allow-skip] [-- PYTEST_ARGS...]``
+Usage: ``python scripts/matrix.py [--versions 0.14.0,0.19.2] [--jobs 2] [--build-only] [--allow-skip] [-- PYTEST_ARGS...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import os
@@ -61,14 +62,19 @@ class Outcome:
 # The releases whose suite runs the parity matrix's whole default set (tests/parity/test_parity_matrix.py;
 # 0.16.1 is `make test`'s); the others run its pairwise set, for CI's time (MTP_PARITY=pairwise).
 FULL_PARITY_RELEASES = ("0.16.1", "0.19.2")
+FAILURE_TAIL = 150  # lines of a failed release's log printed when releases run side by side
 
 
-def run_release(release: Release, python: Path, pytest_args: list[str]) -> Outcome:
-    """The whole suite on one release: its log under ``matrix-out/``, its counts and versions."""
+def run_release(release: Release, python: Path, pytest_args: list[str], stream: bool = True) -> Outcome:
+    """The whole suite on one release: its log under ``matrix-out/``, its counts and versions. ``stream``: echo
+    pytest's lines as they come (one release at a time); otherwise say when it starts and ends, and on a failure
+    print the log's last lines."""
     target = ensure_mcore(python, release.version)
     env = environment(target)
     if release.version not in FULL_PARITY_RELEASES:
         env.setdefault("MTP_PARITY", "pairwise")
+    if not stream:
+        env.setdefault("OMP_NUM_THREADS", "1")  # releases side by side: a core each, not two threads fighting
     outcome = Outcome(release, "failed")
     outcome.python, outcome.torch, outcome.mcore = describe_stack(python, env)
     if outcome.mcore != release.version:
@@ -85,7 +91,7 @@ def run_release(release: Release, python: Path, pytest_args: list[str]) -> Outco
             for line in process.stdout:
                 sink.write(line)
                 lines.append(line)
-                if not line.startswith(("SKIPPED", "  ")):
+                if stream and not line.startswith(("SKIPPED", "  ")):
                     sys.stdout.write(line)
         returncode = process.wait()
     outcome.seconds = (datetime.datetime.now() - start).total_seconds()
@@ -93,6 +99,12 @@ def run_release(release: Release, python: Path, pytest_args: list[str]) -> Outco
     outcome.status = "ok" if returncode == 0 else "failed"
     if returncode not in (0, 1):
         outcome.reason = f"pytest exit status {returncode}"
+    if not stream:
+        log(f"megatron-core {release.version}: {outcome.status} in {outcome.seconds / 60:.1f} min, {lines[-1].strip() if lines else ''}")
+        if outcome.status != "ok":
+            shown = [line for line in lines if not line.startswith("SKIPPED")][-FAILURE_TAIL:]
+            sys.stdout.write("".join(shown))
+        sys.stdout.flush()
     return outcome
 
 
@@ -149,11 +161,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--python312", default=os.environ.get("PY312"), help="a Python 3.12 interpreter (default: python3.12 on PATH or pyenv's 3.12.1)")
     parser.add_argument("--build-only", action="store_true", help="build the environments, run no tests")
     parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="releases run side by side (each with one intra-op thread; its log under matrix-out/, the tail of a "
+        "failed one printed); default 1, streamed",
+    )
+    parser.add_argument(
         "--allow-skip",
         action="store_true",
         help="exit 0 even if a requested release could not run (e.g. no Python 3.12); without it that is a failure",
     )
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected an int >= 1, received {args.jobs}")
 
     known = {release.version: release for release in RELEASES}
     wanted = requested_versions(parser, args.versions, list(known))
@@ -162,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     python312: Optional[Path] = None
 
     outcomes: list[Outcome] = []
-    for version in wanted:
+    runs: list[tuple[Release, Path]] = []
+    for version in wanted:  # every environment first, one pip at a time
         release = known[version]
         if release.python == "3.12":
             if interpreter312 is None:
@@ -175,10 +195,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             python = python312
         else:
             python = python311
-        if args.build_only:
-            ensure_mcore(python, version)
-            continue
-        outcomes.append(run_release(release, python, pytest_args))
+        ensure_mcore(python, version)
+        runs.append((release, python))
+    if not args.build_only:
+        if args.jobs == 1:
+            outcomes += [run_release(release, python, pytest_args) for release, python in runs]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+                outcomes += list(pool.map(lambda run: run_release(*run, pytest_args, stream=False), runs))
 
     skipped = [o for o in outcomes if o.status == "skipped"]
     if not args.build_only:

@@ -6,9 +6,17 @@ virtualenv; this test pins what they rely on without installing anything.
 
 from __future__ import annotations
 
+import http.server
+import importlib.util
 import re
+import socket
+import socketserver
+import threading
 import tomllib
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,7 +164,8 @@ def test_readme_install_installs_torch_first_and_constrains_to_ci_stack() -> Non
     for name in ("check_install.sh", "venv.sh"):
         script = (ROOT / "scripts" / name).read_text()
         assert f'TORCH_INDEX="${{TORCH_INDEX:-{index}}}"' in script, name
-        assert '--extra-index-url "$TORCH_INDEX"' in script and '-e ".[test]" -c requirements/py311.txt' in script, name
+        assert '$("$PYTHON" scripts/torch_index.py "$TORCH_INDEX")' in script, name  # the index, where it answers
+        assert '-e ".[test]" -c requirements/py311.txt' in script, name
         assert "scripts/check_stack.py" in script, name
     assert f"torch=={torch_pin}" in (ROOT / "scripts" / "check_install.sh").read_text()
     assert f'TORCH_VERSION="${{TORCH_VERSION:-{torch_pin}}}"' in (ROOT / "scripts" / "venv.sh").read_text()
@@ -194,3 +203,42 @@ def test_every_make_command_the_readme_names_is_documented() -> None:
     documented = {command for command, _ in _documented_commands()}
     assert {"make demo", "make test"} <= named, named
     assert named <= documented, sorted(named - documented)
+
+
+def _torch_index() -> Any:
+    spec = importlib.util.spec_from_file_location("torch_index", ROOT / "scripts" / "torch_index.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_torch_index_is_passed_to_pip_where_it_answers_and_dropped_where_it_does_not(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``scripts/torch_index.py``: an index that answers (any HTTP status) is pip's extra index; one out of
+    reach is dropped with a line saying so, so pip spends no retries on it."""
+    torch_index = _torch_index()
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:
+            self.send_response(404)  # an answer all the same
+            self.end_headers()
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    with socketserver.TCPServer(("127.0.0.1", 0), Answer) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/whl/cpu"
+        try:
+            assert torch_index.main_args(url) == ["--extra-index-url", url]
+        finally:
+            server.shutdown()
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}/whl/cpu"
+    assert torch_index.main_args(gone) == []
+    assert "out of reach" in capsys.readouterr().err
+    assert torch_index.main_args("") == []

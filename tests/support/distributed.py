@@ -127,6 +127,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:
                 break
             module_name, name, layout, kwargs, seed = message
             try:
+                if name is None:  # import the scenarios' module only (``SpawnedGroup.run``'s first of a module)
+                    importlib.import_module(module_name)
+                    conn.send(("ok", None))
+                    continue
                 scenario = getattr(importlib.import_module(module_name), name)
                 _use_layout(layout)
                 _reset_process_state(seed)
@@ -143,6 +147,7 @@ class SpawnedGroup:
         self.world_size = world_size
         self._processes: list[Any] = []
         self._conns: list[Connection] = []
+        self._imported: set[str] = set()  # scenario modules the live ranks have imported
 
     @property
     def alive(self) -> bool:
@@ -184,6 +189,14 @@ class SpawnedGroup:
         if not self.alive:
             self.close()
             self.start()
+        if scenario.__module__ not in self._imported:  # the imports (megatron's, the scenarios') on the start's clock
+            for conn in self._conns:
+                conn.send((scenario.__module__, None, {}, {}, seed))
+            reports = self._collect(_START_TIMEOUT_S)
+            if any(status != "ok" for status, _ in reports):
+                self.close()
+                raise ScenarioFailed(self._format(f"importing {scenario.__module__}", reports))
+            self._imported.add(scenario.__module__)
         message = (scenario.__module__, scenario.__qualname__, dict(layout or {}), kwargs, seed)
         for conn in self._conns:
             conn.send(message)
@@ -212,6 +225,7 @@ class SpawnedGroup:
                 process.join(timeout=5.0)
         for conn in self._conns:
             conn.close()
+        self._imported.clear()
         self._processes.clear()
         self._conns.clear()
 
