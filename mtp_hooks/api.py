@@ -26,7 +26,7 @@ from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, find_language_model
-from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output
+from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output, StepWeights
 
 
 def attach(
@@ -45,6 +45,7 @@ def attach(
     draft_steps: Optional[int] = None,
     draft_inputs: DraftInputs = "labels",
     draft_layers: DraftLayers = "per_step",
+    draft_step_weights: Optional[StepWeights] = None,
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -122,6 +123,12 @@ def attach(
             2..N). With ``"first"`` and N >= 2 the block still runs layers 2..N (mcore's block
             calls every layer), their outputs are dropped and they get no gradient; train an
             N = 1 model for vLLM to spend nothing on them.
+        draft_step_weights: each draft step's loss multiplied by a weight: a sequence of one weight
+            >= 0 per step (``draft_steps``, or the model's N layers), or a decay ``beta`` > 0 (step j
+            weighs ``beta ** (j - 1)``, e.g. 0.6). ``None`` (default): all 1, stock's even split. Step j's
+            loss then weighs ``loss_scale * w_j / k``, before the per-token rule where
+            ``calculate_per_token_loss`` is set; ``mtp_j/loss`` stays the unweighted mean and
+            ``metrics()`` adds ``mtp_j/weight``.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;

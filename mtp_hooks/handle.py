@@ -135,10 +135,15 @@ class MTPHooks:
         depths 1..k all have a target; absent while there is no position with every depth's
         target. mcore's tracker gets no ``accept_len``: it holds per-depth loss and label counts
         only, and stays as stock fills it. Local to this rank (identical across TP ranks). Empty
-        if nothing was trained. Reading syncs with the device once."""
+        if nothing was trained. Reading syncs with the device once. With ``draft_step_weights`` also
+        ``mtp_k/weight``, the weight on step k's loss."""
         hooks = self._live("metrics")
         hooks.binding.flight.recover_abandoned()
-        return hooks.metrics.read(reset)
+        read = hooks.metrics.read(reset)
+        weights = self.options.step_weights(hooks.depth)
+        if read and weights is not None:
+            read.update({f"mtp_{j}/weight": weight for j, weight in enumerate(weights, start=1)})
+        return read
 
     def remove(self) -> None:
         """Remove every hook; the model is stock again. Calling it twice is harmless.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping, Optional, get_args
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union, get_args
 
 from mtp_hooks.checks import VALIDATE_MODES, Validate
 from mtp_hooks.errors import bad_argument, describe
@@ -13,6 +13,7 @@ LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
 DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
 DraftLayers = Literal["per_step", "first"]  # which MTP layer runs draft step j
+StepWeights = Union[float, Sequence[float]]  # a decay beta (step j weighs beta ** (j - 1)), or one weight per step
 
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 OUTPUTS: tuple[str, ...] = get_args(Output)
@@ -47,6 +48,8 @@ class Options:
     draft_steps: Optional[int] = None
     draft_inputs: DraftInputs = "labels"
     draft_layers: DraftLayers = "per_step"
+    # Each draft step's loss multiplied by its weight (None: all 1, stock's even split).
+    draft_step_weights: Optional[StepWeights] = None
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -111,6 +114,8 @@ class Options:
             raise bad_argument("draft_inputs", " or ".join(map(repr, DRAFT_INPUTS)), describe(self.draft_inputs))
         if self.draft_layers not in DRAFT_LAYERS:
             raise bad_argument("draft_layers", " or ".join(map(repr, DRAFT_LAYERS)), describe(self.draft_layers))
+        if self.draft_step_weights is not None:
+            object.__setattr__(self, "draft_step_weights", _step_weights(self.draft_step_weights))
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
         if self.entropy and self.output != "logprobs":
@@ -152,6 +157,15 @@ class Options:
         """Draft steps trained per forward: ``draft_steps``, or the model's ``mtp_num_layers``."""
         return config.mtp_num_layers if self.draft_steps is None else self.draft_steps
 
+    def step_weights(self, steps: int) -> Optional[tuple[float, ...]]:
+        """Each of the ``steps`` draft steps' loss weight (``draft_step_weights``), or ``None`` for stock's (all 1)."""
+        weights = self.draft_step_weights
+        if weights is None:
+            return None
+        if isinstance(weights, float):
+            return tuple(weights**j for j in range(steps))
+        return tuple(weights)
+
     def mtp_loss_scale(self, config: Any) -> Any:
         """The total MTP loss weight (split evenly over the draft steps): ``loss_scale``, or where it is
         ``None`` the model's ``config.mtp_loss_scaling_factor`` as it reads now."""
@@ -171,6 +185,14 @@ class Options:
                 describe(self.draft_steps),
             )
 
+        weights = self.draft_step_weights
+        if isinstance(weights, tuple) and len(weights) != self.steps(config):
+            raise bad_argument(
+                "draft_step_weights",
+                f"a decay, or one weight per draft step ({self.steps(config)}: draft_steps or the model's MTP layers)",
+                f"{len(weights)} weights {weights}",
+            )
+
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults, in declaration order."""
         return {
@@ -178,6 +200,19 @@ class Options:
             for field in dataclasses.fields(self)
             if getattr(self, field.name) != field.default
         }
+
+
+def _step_weights(value: Any) -> Union[float, tuple[float, ...]]:
+    """``draft_step_weights`` as stored: a decay as a float, per-step weights as a tuple of floats."""
+    if _is_real(value):
+        if not 0 < value <= 1e6:
+            raise bad_argument("draft_step_weights", "a decay > 0, or a sequence of weights >= 0", describe(value))
+        return float(value)
+    if isinstance(value, (list, tuple)) and value and all(_is_real(w) and 0 <= w <= 1e6 for w in value) and any(value):
+        return tuple(float(w) for w in value)
+    raise bad_argument(
+        "draft_step_weights", "None, a decay > 0, or a non-empty sequence of weights >= 0, not all 0", describe(value)
+    )
 
 
 def _require_bool(name: str, value: Any) -> None:

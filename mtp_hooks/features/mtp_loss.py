@@ -141,7 +141,8 @@ def attach_mtp_losses(
     Returns the main chunk (carrying the losses), the per-depth metric sums and the loss path
     taken (``loss_path``). ``head.weight`` is the output weight the MTP heads use (already
     detached when they must not train it). ``loss_scale`` (a float or 0-d tensor) is the total
-    MTP weight, split evenly over the depths (``Options.mtp_loss_scale``); normalisation follows
+    MTP weight, split evenly over the depths (``Options.mtp_loss_scale``), step j's share times its
+    ``draft_step_weights`` weight where they are given; normalisation follows
     the installed mcore release (``_mcore.depth_coefficient``) unless ``options.per_token_rescale``
     picks a rule. Targets roll with the micro-batch's own CP group when ``packed_seq_params`` has
     one, by ``batch.packed_layout`` when given. An output layer whose call the lean path does not reproduce
@@ -159,7 +160,8 @@ def attach_mtp_losses(
     # A count made on the device, not a tensor built from a host value (a blocking copy on a GPU).
     original_tokens = targets[0][1].new_full((), labels.numel()) if loss_mask is None else loss_mask.sum()
     tokens = [mask_k.sum() for _labels_k, mask_k in targets]
-    rule = (loss_scale / depth, per_token, original_tokens)
+    weights = options.step_weights(depth)
+    step_scales = [loss_scale / depth] * depth if weights is None else [loss_scale * w / depth for w in weights]
     if options.compares_with_main_head:
         head.require_reproducible(
             "objective",
@@ -169,14 +171,17 @@ def attach_mtp_losses(
     if options.loss_impl == "dense" or not head.reproducible:
         main, sums = chunks[0], []
         for k, (chunk, (labels_k, mask_k)) in enumerate(zip(chunks[1:], targets)):
-            scale = lambda ce, n=tokens[k]: _mcore.scale_depth_loss(  # noqa: E731
-                ce, *rule, n, options.per_token_rescale
+            scale = lambda ce, n=tokens[k], step_scale=step_scales[k]: _mcore.scale_depth_loss(  # noqa: E731
+                ce, step_scale, per_token, original_tokens, n, options.per_token_rescale
             )
             objective, ce_sum, correct = _dense_depth_loss(model, head, chunk, labels_k, mask_k, scale)
             main = _mcore.MTPLossAutoScaler.apply(main, objective)
             sums.append((k, ce_sum, tokens[k], correct))
         return main, sums, "dense"
-    coefs = [_mcore.depth_coefficient(*rule, n, options.per_token_rescale) for n in tokens]
+    coefs = [
+        _mcore.depth_coefficient(step_scale, per_token, original_tokens, n, options.per_token_rescale)
+        for step_scale, n in zip(step_scales, tokens)
+    ]
     teachers = None
     if options.compares_with_main_head:
         teachers = _main_head_inputs(head, chunks[0], depth, layout, cp_group)

@@ -32,6 +32,7 @@ import torch
 from tests.support import parity
 from tests.support.distributed import SpawnedGroup
 from tests.support.parity import AXES, FORBIDDEN, LAYOUTS, Case
+from tests.support.stock_references import step_weights
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -147,6 +148,27 @@ def test_the_stock_chain_reference_differs_from_plain_stock() -> None:
         if chain.startswith("first"):  # layer 2 runs no step: its output is dropped
             dropped = stock.grads["mtp.layers.1.eh_proj.weight"]
             assert dropped is None or not dropped.any(), f"chain {chain}: layer 2 trained"
+
+
+def test_the_stock_step_weight_reference_weighs_each_depth_of_plain_stock() -> None:
+    """``draft_step_weights`` on stock: layer 2, which only depth 2's loss reaches, gets w_2 x plain stock's
+    gradient; layer 1, reached by both depths, neither plain stock's nor w_1 x it."""
+    _, plain, _ = parity.run_twins(Case(), stock_only=True)
+    _, stock, _ = parity.run_twins(Case(chain="weighted"), stock_only=True)
+    w1, w2 = step_weights("weighted")
+    second, first = "mtp.layers.1.eh_proj.weight", "mtp.layers.0.eh_proj.weight"
+    torch.testing.assert_close(stock.grads[second], w2 * plain.grads[second])
+    assert not torch.allclose(stock.grads[first], plain.grads[first])
+    assert not torch.allclose(stock.grads[first], w1 * plain.grads[first])
+
+
+def test_the_comparison_catches_step_weights_applied_in_reverse_order() -> None:
+    case = Case(chain="weighted")
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    hooked, _, _ = parity.run_twins(case, hooked_options={"draft_step_weights": step_weights("weighted")[::-1]})
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="differs|gradient|MTP"):
+        parity.compare(case, hooked, stock, reference)
 
 
 def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -> None:

@@ -48,7 +48,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
 from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
-from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, gather_vocab, stock_chain, stock_detaches
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
 from tests.support.parity_acceptance import ACCEPT, FORBIDDEN, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 
 VOCAB = 64
@@ -68,7 +68,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "per_token": (False, True),
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
-    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax"),
+    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay"),
     "accept": tuple(ACCEPT),
 }
 # FORBIDDEN (``parity_acceptance``): the value pairs no case can have, left out of the covering sets.
@@ -124,8 +124,10 @@ class Case:
             if self.output.endswith("_t0.7"):
                 options["temperature"] = TEMPERATURE
         steps, inputs, draft_layers = CHAIN[self.chain]
-        if self.chain != "none":
+        if steps is not None:
             options.update(draft_steps=steps, draft_inputs=inputs, draft_layers=draft_layers)
+        if self.chain in STEP_WEIGHTS:
+            options.update(draft_step_weights=STEP_WEIGHTS[self.chain])
         options.update(accept_options(self.accept))
         return options
 
@@ -155,13 +157,15 @@ class Case:
         if self.output != "logits":
             parts.append(f"log-probs: log_softmax(stock logits / {self.temperature}) at the labels" + (" and their entropy" if "entropy" in self.output else ""))
         steps, inputs, draft_layers = CHAIN[self.chain]
-        if self.chain != "none" and draft_layers == "first":
+        if self.chain in STEP_WEIGHTS:
+            parts.append(f"step weights {step_weights(self.chain)}: stock's i-th MTPLossAutoScaler.apply of a forward hangs w_i x its loss")
+        if steps is not None and draft_layers == "first":
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps}), the block's "
                 f"layer-2 output dropped, the first layer called {steps - 1} more times on the block's arguments for it"
                 + (", every later step embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
             )
-        elif self.chain != "none":
+        elif steps is not None:
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps})"
                 + (f", the last layer called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")

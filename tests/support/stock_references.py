@@ -30,8 +30,21 @@ CHAIN: dict[str, tuple[Optional[int], str, str]] = {
     "k4_argmax": (4, "argmax", "per_step"),
     "first_k2": (2, "labels", "first"),
     "first_k3_argmax": (3, "argmax", "first"),
+    "weighted": (None, "labels", "per_step"),
+    "k3_argmax_decay": (3, "argmax", "per_step"),
 }
 DEPTH = 2
+# ``draft_step_weights`` of the chain values that set one: per-step weights, or a decay.
+STEP_WEIGHTS: dict[str, Any] = {"weighted": (0.25, 1.75), "k3_argmax_decay": 0.6}
+
+
+def step_weights(chain: str) -> Optional[list[float]]:
+    """The weight on each draft step's loss under ``chain`` (``None``: stock's, all 1)."""
+    weights = STEP_WEIGHTS.get(chain)
+    if weights is None:
+        return None
+    steps = CHAIN[chain][0] or DEPTH
+    return [weights**j for j in range(steps)] if isinstance(weights, float) else list(weights)
 
 
 def gather_vocab(logits: Tensor) -> Tensor:
@@ -86,6 +99,37 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
+    """The draft chain (``stock_steps``) and its step weights (``stock_step_weights``) on stock mcore."""
+    with stock_step_weights(chain), stock_steps(model, chain):
+        yield
+
+
+@contextlib.contextmanager
+def stock_step_weights(chain: str) -> Iterator[None]:
+    """``draft_step_weights``' definition on stock mcore: its i-th ``MTPLossAutoScaler.apply`` of a forward (depth i
+    of k, in order) hangs ``w_i`` times the loss it was given, for the length of the block."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    weights = step_weights(chain)
+    if weights is None:
+        yield
+        return
+    original, calls = MTPLossAutoScaler.apply, [0]
+
+    def weighted(hidden: Tensor, loss: Tensor) -> Tensor:
+        weight = weights[calls[0] % len(weights)]
+        calls[0] += 1
+        return original(hidden, loss * weight)
+
+    MTPLossAutoScaler.apply = weighted  # the class's own attribute, over the inherited one
+    try:
+        yield
+    finally:
+        del MTPLossAutoScaler.apply
+
+
+@contextlib.contextmanager
+def stock_steps(model: nn.Module, chain: str) -> Iterator[None]:
     """The draft chain's definition on stock mcore (which trains N depths, teacher-forced): stock's
     own loss over k depths (``config.mtp_num_layers = k`` from the block's return to the end of the
     forward; the block runs its N layers). The step layer (the last one; with ``first``, the first
@@ -94,10 +138,9 @@ def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
     arguments for it; with ``argmax`` every step after the first embeds the first argmax of the
     full-vocabulary logits (gathered, dense) of the hidden state it receives."""
     steps, inputs, draft_layers = CHAIN[chain]
-    if chain == "none":
+    if steps is None:
         yield
         return
-    assert steps is not None
     config, layers, handles = model.config, list(model.mtp.layers), []
     first = draft_layers == "first"
     step_layer, kept = (layers[0], 1) if first else (layers[-1], DEPTH)

@@ -82,6 +82,15 @@ ATTACH_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "detach_encoder_int": ("detach_encoder", {"detach_encoder": 1}),
     "detach_encoder_none": ("detach_encoder", {"detach_encoder": None}),
     "detach_head_string": ("detach_head", {"detach_head": "yes"}),
+    "draft_step_weights_negative_decay": ("draft_step_weights", {"draft_step_weights": -0.5}),
+    "draft_step_weights_nan": ("draft_step_weights", {"draft_step_weights": float("nan")}),
+    "draft_step_weights_all_zero": ("draft_step_weights", {"draft_step_weights": (0.0, 0.0)}),
+    "draft_step_weights_negative_weight": ("draft_step_weights", {"draft_step_weights": (1.0, -1.0)}),
+    "draft_step_weights_too_many": ("draft_step_weights", {"draft_step_weights": (1.0, 0.5, 0.25)}),
+    "draft_step_weights_too_few_for_the_chain": ("draft_step_weights", {"draft_step_weights": (1.0, 0.5), "draft_steps": 3}),
+    "draft_step_weights_empty": ("draft_step_weights", {"draft_step_weights": ()}),
+    "draft_step_weights_string": ("draft_step_weights", {"draft_step_weights": "0.6"}),
+    "draft_step_weights_bool": ("draft_step_weights", {"draft_step_weights": True}),
 }
 
 
@@ -96,7 +105,8 @@ def test_attach_rejects_bad_options_and_touches_nothing(model: nn.Module, case: 
     mtp_hooks.attach(model).remove()  # nothing half-attached is left in the way
 
 
-@pytest.mark.parametrize("option, value", [("loss_scale", 0), ("loss_scale", 2), ("chunk_size", 1), ("chunk_size", 10**9)])
+@pytest.mark.parametrize("option, value", [("loss_scale", 0), ("loss_scale", 2), ("chunk_size", 1), ("chunk_size", 10**9),
+                                           ("draft_step_weights", (0, 1)), ("draft_step_weights", 1e-3)])
 def test_attach_accepts_boundary_options(model: nn.Module, batch: Batch, option: str, value: Any) -> None:
     hooks = mtp_hooks.attach(model, **{option: value})
     hooked_train_step(model, hooks, batch)
