@@ -27,6 +27,7 @@ from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, find_language_model
 from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output, StepWeights
+from mtp_hooks.profiles import EngineProfile, merged_options
 
 
 def attach(
@@ -52,6 +53,7 @@ def attach(
     validate: Validate = "device",
     per_token_rescale: Optional[bool] = None,
     call_loss_scale: Optional[Callable[[Mapping[str, Any]], Any]] = None,
+    engine: Optional[EngineProfile] = None,
 ) -> MTPHooks:
     """Make an mcore model with MTP layers return main-head logits while its MTP layers train.
 
@@ -146,6 +148,10 @@ def attach(
             arguments by name (``input_ids``, ``packed_seq_params``, ...); returns a multiplier of
             the micro-batch's MTP loss (float or 0-d tensor) or ``None``. Multiplies
             ``micro_batch(loss_scale=)``.
+        engine: the rollout engine the draft is for (``mtp_hooks.profiles.vllm("0.32", family, k)``, ``sglang``,
+            ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs`` and ``accept_rule`` as that
+            engine drafts; one of them also given with another value is refused. ``predict_engine_acceptance``
+            takes the same profile.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).
@@ -174,7 +180,9 @@ def attach(
     sharing its process groups, as a stock mcore model needs) gives a copy with its own hooks.
     """
     arguments = locals()  # the options, by the names ``Options`` has (a test holds the two equal)
-    options = Options(**{field.name: arguments[field.name] for field in dataclasses.fields(Options)})
+    fields = dataclasses.fields(Options)
+    given = merged_options(engine, {f.name: arguments[f.name] for f in fields}, {f.name: f.default for f in fields})
+    options = Options(**given)
     language_model = preflight.check(model, options)
     hooks = MTPHooks(language_model, options)
     language_model.__dict__[STATE_KEY] = hooks

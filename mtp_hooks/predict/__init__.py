@@ -7,7 +7,8 @@ counters would show (``Replay``), without an engine in the loop:
 * ``hits``: ``draft_hits``, one training-style forward of the hooked model that says, at every position,
   whether each draft step's token equals the engine's (``MTP_INPUTS``: which hidden state MTP layer 1 reads);
 * ``engine_steps``: ``engine_step_drafts``, draft steps 2..k as vLLM's proposer runs them (one token at a
-  time over step 1's states), for ``geometry="engine"``;
+  time over step 1's states), for ``geometry="engine"``, handing each step the state the engine hands on
+  (``RECYCLES``: normed, or unnormed as vLLM 0.32's GLM-4.5 drafter);
 * ``replay``: ``replay``, the engine's verification steps over those indicators, and ``Replay``;
 * ``head``: the main head's greedy pick (its own weight, or the embedding's when they are tied).
 
@@ -19,8 +20,10 @@ Measured against vLLM in ``docs/engine.md`` (the acceptance benchmark, the layer
 from mtp_hooks._quiet import megatron_notices_silenced as _megatron_notices_silenced
 
 with _megatron_notices_silenced():  # megatron-core's import-time notices, as mtp_hooks' other faces
-    from mtp_hooks.predict.engine_steps import engine_step_drafts
+    from mtp_hooks.predict.engine_steps import RECYCLES, engine_step_drafts
     from mtp_hooks.predict.hits import MTP_INPUTS, draft_hits
     from mtp_hooks.predict.replay import Replay, predict_engine_acceptance, replay
 
-__all__ = ["MTP_INPUTS", "Replay", "draft_hits", "engine_step_drafts", "predict_engine_acceptance", "replay"]
+__all__ = [
+    "MTP_INPUTS", "RECYCLES", "Replay", "draft_hits", "engine_step_drafts", "predict_engine_acceptance", "replay"
+]

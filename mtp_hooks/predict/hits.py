@@ -19,6 +19,9 @@ two agree only while the final norm's weight is uniform.
 
 ``geometry``: ``"chain"`` runs steps 2..k as the hooks' chain does (each over the whole sequence);
 ``"engine"`` as vLLM's proposer does (``engine_steps``: one token at a time over step 1's states).
+``recycle``: what step j + 1 reads of step j there (``engine_steps.RECYCLES``): ``"normed"`` (mcore's, and
+vLLM's DeepSeek-V3 drafter's) or ``"unnormed"`` (vLLM 0.32 / 0.33's GLM-4.5 drafter); the chain recycles
+the normed state.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from mtp_hooks.models import mtp_layer_body
-from mtp_hooks.predict.engine_steps import engine_step_drafts
+from mtp_hooks.predict.engine_steps import RECYCLES, engine_step_drafts
 from mtp_hooks.predict.head import head_argmax
 
 if TYPE_CHECKING:
@@ -55,7 +58,12 @@ def _block_steps(plan: Sequence[int], depths: int, modules: int) -> int:
     return kept
 
 
-def _check(hooks: MTPHooks, mtp_input: str, geometry: str) -> None:
+def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None:
+    if recycle not in RECYCLES:
+        raise ValueError(f"recycle: expected one of {RECYCLES}, received {recycle!r}")
+    if recycle != "normed" and geometry != "engine":
+        raise ValueError(f"recycle={recycle!r} is replayed in the engine's geometry: expected geometry='engine', "
+                         f"received {geometry!r} (the hooks' chain hands each step the normed state)")
     if mtp_input not in MTP_INPUTS:
         raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
     if geometry not in GEOMETRIES:
@@ -67,13 +75,13 @@ def _check(hooks: MTPHooks, mtp_input: str, geometry: str) -> None:
 
 def draft_hits(
     model: nn.Module, hooks: MTPHooks, sequences: Tensor, prompt: int,
-    mtp_input: str = "decoder_output", geometry: str = "chain",
+    mtp_input: str = "decoder_output", geometry: str = "chain", recycle: str = "normed",
 ) -> tuple[Tensor, float]:
     """``[k, b, s]`` bool: step j's draft at position t equals ``sequences[:, t + j + 1]`` (False where
     that is past the end), and the share of the tokens after the prompt that the main head's argmax
     picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
     ``hooks``, whose ``draft_steps`` is k; ``prompt`` tokens are not scored."""
-    _check(hooks, mtp_input, geometry)
+    _check(hooks, mtp_input, geometry, recycle)
     layers = list(model.mtp.layers)
     plan = hooks.draft_plan()
     steps, depths = len(plan), model.config.mtp_num_layers
@@ -110,9 +118,15 @@ def draft_hits(
     def keep_body_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         body_inputs.append((kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach())
 
+    before_final_norm: list[Tensor] = []
+
+    def keep_unnormed(module: nn.Module, args: tuple[Any, ...]) -> None:
+        before_final_norm.append(args[0].detach())
+
     handles = [layer.register_forward_hook(keep) for layer in layers]
     if geometry == "engine":
         handles.append(mtp_layer_body(layers[0]).register_forward_pre_hook(keep_body_input, with_kwargs=True))
+        handles.append(layers[0].final_layernorm.register_forward_pre_hook(keep_unnormed))
     if mtp_input == "pre_final_norm":
         handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
         handles.append(layers[0].register_forward_pre_hook(feed_before_norm, with_kwargs=True))
@@ -139,7 +153,9 @@ def draft_hits(
                 f"step {j}: drafts equal to the engine's tokens {share:.6f}, the hooks' mtp_{j}/acc {reported:.6f}"
             )
     if geometry == "engine" and steps > 1:  # steps 2..k as the engine's proposer runs them (engine_steps)
-        drafts = engine_step_drafts(model, body_inputs[0], chosen[0], steps, prompt - 1)
+        drafts = engine_step_drafts(
+            model, body_inputs[0], chosen[0], steps, prompt - 1, recycle=recycle, step1_unnormed=before_final_norm[0]
+        )
         for j in range(2, steps + 1):
             hits[j - 1] = False
             hits[j - 1, :, : s - j - 1] = drafts[j - 1, :, : s - j - 1] == sequences[:, j + 1 :]

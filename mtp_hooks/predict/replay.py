@@ -12,7 +12,7 @@ the last token, keeps the leading drafts that hit, and moves on by one plus them
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from mtp_hooks.predict.hits import draft_hits
 
 if TYPE_CHECKING:
     from mtp_hooks import MTPHooks
+    from mtp_hooks.profiles import EngineProfile
 
 __all__ = ["Replay", "predict_engine_acceptance", "replay"]
 
@@ -66,13 +67,25 @@ def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float =
 def predict_engine_acceptance(
     model: nn.Module, hooks: MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]],
     max_tokens: int, mtp_input: str = "decoder_output", geometry: str = "chain",
+    engine: Optional[EngineProfile] = None,
 ) -> Replay:
     """The per-position acceptance a T = 0 engine drafting ``hooks.options.draft_steps`` tokens measures
     when it generates ``max_tokens`` tokens per prompt. ``token_ids``: the engine's generated tokens, at
     least ``max_tokens`` per prompt and ideally k more (the greedy continuation past the end, e.g.
     from a plain run), so the last steps' drafts have tokens to be compared with. ``mtp_input`` and
     ``geometry``: ``draft_hits``' (``"pre_final_norm"`` for vLLM's MiMo drafter, ``"engine"`` for vLLM's
-    proposer's steps 2..k)."""
+    proposer's steps 2..k). ``engine``: an ``mtp_hooks.profiles`` profile, which sets both and ``draft_hits``'
+    ``recycle`` (what step j + 1 reads of step j), and must be the one ``hooks`` were attached with."""
+    recycle = "normed"
+    if engine is not None:
+        if (mtp_input, geometry) != ("decoder_output", "chain"):
+            raise ValueError("engine: the profile sets mtp_input and geometry; pass either, not both")
+        mtp_input, geometry, recycle = engine.mtp_input, engine.geometry, engine.recycle
+        trained = {name: getattr(hooks.options, name) for name in engine.attach_options()}
+        if trained != engine.attach_options():
+            raise ValueError(
+                f"engine: hooks attached with {trained}, not as {engine.name} drafts: {engine.attach_options()}"
+            )
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"prompts: expected one length, received {sorted(lengths)}")
@@ -81,5 +94,5 @@ def predict_engine_acceptance(
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
     sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
     prompt = lengths.pop()
-    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, recycle)
     return replay(hits, prompt, max_tokens, agreement)

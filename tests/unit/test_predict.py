@@ -197,3 +197,46 @@ def test_tied_embeddings_predict_with_the_embedding_as_the_head(geometry: str) -
             hooks.remove()
     assert replays[0] == replays[1]
     assert replays[0].accepted_per_position[0] > 0
+
+
+def _recycled_drafts(model: nn.Module, sequences: torch.Tensor, recycle: str) -> torch.Tensor:
+    """``engine_step_drafts`` of 3 steps from MTP layer 1's teacher-forced states, ``recycle`` as given."""
+    layer = model.mtp.layers[0]
+    unnormed: list[torch.Tensor] = []
+    handle = layer.final_layernorm.register_forward_pre_hook(lambda module, args: unnormed.append(args[0].detach()))
+    try:
+        inputs, outputs = _step1_states(model, sequences)
+    finally:
+        handle.remove()
+    return engine_step_drafts(model, inputs, outputs, steps=3, first=3, recycle=recycle, step1_unnormed=unnormed[0])
+
+
+def test_unnormed_recycle_equals_normed_while_the_final_norm_is_uniform() -> None:
+    """Step 2 reading the MTP layer's output before its final norm (vLLM 0.32's GLM-4.5 drafter) or after it
+    (mcore's, DeepSeek-V3's) drafts the same while the norm's weight is one constant (the RMS norm of a constant
+    multiple is the same); a weight far from uniform makes them differ, and step 1 is the same either way."""
+    model = em.shape("mimo", 1).build(seed=5)
+    sequences = torch.randint(2, em.VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+    weight = model.mtp.layers[0].final_layernorm.weight
+    with torch.no_grad():
+        weight.fill_(2.5)
+    assert torch.equal(_recycled_drafts(model, sequences, "normed"), _recycled_drafts(model, sequences, "unnormed"))
+    with torch.no_grad():
+        weight.copy_(torch.rand(weight.shape, generator=torch.Generator().manual_seed(4)) * 4 + 0.1)
+    normed, unnormed = _recycled_drafts(model, sequences, "normed"), _recycled_drafts(model, sequences, "unnormed")
+    assert torch.equal(normed[0], unnormed[0]) and not torch.equal(normed[1:], unnormed[1:])
+
+
+def test_recycle_is_checked() -> None:
+    model = em.trainer("mimo", "copy")
+    sequences = torch.tensor(em.counting_prompts(2, 12))
+    hooks = mtp_hooks.attach(model, draft_steps=2, **RULE)
+    try:
+        with pytest.raises(ValueError, match="recycle: expected one of"):
+            draft_hits(model, hooks, sequences, prompt=4, geometry="engine", recycle="raw")
+        with pytest.raises(ValueError, match="geometry='engine'"):
+            draft_hits(model, hooks, sequences, prompt=4, geometry="chain", recycle="unnormed")
+    finally:
+        hooks.remove()
+    with pytest.raises(ValueError, match="step1_unnormed"):
+        engine_step_drafts(model, torch.zeros(4, 1, em.HIDDEN), torch.zeros(4, 1, em.HIDDEN), 2, 1, recycle="unnormed")
