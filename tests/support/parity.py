@@ -48,7 +48,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
 from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
-from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, PRE_NORM, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
 from tests.support.parity_acceptance import ACCEPT, FORBIDDEN, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 
 VOCAB = 64
@@ -68,7 +68,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "per_token": (False, True),
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
-    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay"),
+    "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay", "pre_norm",
+              "first_k2_argmax_pre_norm"),
     "accept": tuple(ACCEPT),
 }
 # FORBIDDEN (``parity_acceptance``): the value pairs no case can have, left out of the covering sets.
@@ -128,6 +129,8 @@ class Case:
             options.update(draft_steps=steps, draft_inputs=inputs, draft_layers=draft_layers)
         if self.chain in STEP_WEIGHTS:
             options.update(draft_step_weights=STEP_WEIGHTS[self.chain])
+        if self.chain in PRE_NORM:
+            options.update(mtp_input="pre_final_norm")
         options.update(accept_options(self.accept))
         return options
 
@@ -157,6 +160,8 @@ class Case:
         if self.output != "logits":
             parts.append(f"log-probs: log_softmax(stock logits / {self.temperature}) at the labels" + (" and their entropy" if "entropy" in self.output else ""))
         steps, inputs, draft_layers = CHAIN[self.chain]
+        if self.chain in PRE_NORM:
+            parts.append("MTP layer 1's first call per forward reads the decoder's final norm input (a stock pre-hook)")
         if self.chain in STEP_WEIGHTS:
             parts.append(f"step weights {step_weights(self.chain)}: stock's i-th MTPLossAutoScaler.apply of a forward hangs w_i x its loss")
         if steps is not None and draft_layers == "first":

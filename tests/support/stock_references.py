@@ -32,10 +32,14 @@ CHAIN: dict[str, tuple[Optional[int], str, str]] = {
     "first_k3_argmax": (3, "argmax", "first"),
     "weighted": (None, "labels", "per_step"),
     "k3_argmax_decay": (3, "argmax", "per_step"),
+    "pre_norm": (None, "labels", "per_step"),
+    "first_k2_argmax_pre_norm": (2, "argmax", "first"),
 }
 DEPTH = 2
 # ``draft_step_weights`` of the chain values that set one: per-step weights, or a decay.
 STEP_WEIGHTS: dict[str, Any] = {"weighted": (0.25, 1.75), "k3_argmax_decay": 0.6}
+# The chain values whose MTP layer 1 reads the decoder's final norm input (``mtp_input="pre_final_norm"``).
+PRE_NORM = ("pre_norm", "first_k2_argmax_pre_norm")
 
 
 def step_weights(chain: str) -> Optional[list[float]]:
@@ -100,8 +104,41 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 @contextlib.contextmanager
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
     """The draft chain (``stock_steps``) and its step weights (``stock_step_weights``) on stock mcore."""
-    with stock_step_weights(chain), stock_steps(model, chain):
+    with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain):
         yield
+
+
+@contextlib.contextmanager
+def stock_pre_norm_input(model: nn.Module, chain: str) -> Iterator[None]:
+    """``mtp_input="pre_final_norm"`` on stock mcore: the block's first call of MTP layer 1 in each forward reads the
+    decoder's final norm input in place of the block's hidden states (a pre-hook run before every other)."""
+    if chain not in PRE_NORM:
+        yield
+        return
+    seen: dict[str, Any] = {}
+
+    def start(*_: Any) -> None:
+        seen.clear()
+
+    def keep(norm: nn.Module, args: tuple[Any, ...]) -> None:
+        seen["before"] = args[0]
+
+    def swap(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if "swapped" not in seen:
+            seen["swapped"] = True
+            kwargs["hidden_states"] = seen["before"]
+        return args, kwargs
+
+    handles = [
+        model.register_forward_pre_hook(start),
+        model.decoder.final_layernorm.register_forward_pre_hook(keep),
+        model.mtp.layers[0].register_forward_pre_hook(swap, with_kwargs=True, prepend=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
