@@ -10,7 +10,9 @@ records what the engine accepts next to what the trainer predicts.
 The variants train for a greedy (T = 0) vLLM 0.32 engine (``engine_options``): ``accept_rule="argmax"``,
 ``draft_temperature=0``, and the chains (``<objective>+chain``) ``draft_steps=3, draft_inputs="argmax",
 draft_layers="first"``; ``@per_step`` trains the chain on SGLang's schedule instead (layer j runs
-step j), for contrast.
+step j), for contrast. ``<objective>+profile`` trains with the engine's profile
+(``attach(engine=mtp_hooks.profiles.vllm("0.32", "mimo", 3))``: vLLM's schedule and rule, MTP layer 1 fed the
+target's state before the final norm as vLLM's MiMo drafter reads it) and step weights decaying by 0.6.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from benchmarks.acceptance.code_task import CodeTask
 from benchmarks.acceptance.engine_measure import Snapshot, measure
 from benchmarks.acceptance.pretrain import forward, pretrained
 from benchmarks.acceptance.settings import Setting
+from mtp_hooks.profiles import vllm
 
 DRAFT_LAYERS = ("first", "per_step")
+PROFILE_STEP_DECAY = 0.6  # step j's loss weighs 0.6 ** (j - 1), as the native-MTP trainers the field reports
 
 
 def engine_options(name: str, steps: int) -> dict[str, Any]:
@@ -42,6 +46,11 @@ def engine_options(name: str, steps: int) -> dict[str, Any]:
     (``frozen``: those of ``ce``, never stepped). ``<objective>+chain[@first|@per_step]``: a chain of
     ``steps`` steps on its own argmax drafts, layer 1 for every step unless ``@per_step``."""
     base, _, layers = name.partition("@")
+    if base.endswith("+profile") and not layers:  # the engine's profile, vLLM 0.32's MiMo drafter, steps decaying
+        objective = base.removesuffix("+profile")
+        profile = vllm("0.32", "mimo", steps)
+        return dict(detach_encoder=True, detach_head=True, objective=objective, agreement_metrics=True,
+                    draft_temperature=0.0, draft_step_weights=PROFILE_STEP_DECAY, engine=profile)
     objective, inputs = parse_variant(base)
     if layers and (inputs is None or layers not in DRAFT_LAYERS):
         raise ValueError(f"variant {name!r}: '@{layers}' needs a chain variant and one of {DRAFT_LAYERS}")

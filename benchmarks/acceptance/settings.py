@@ -24,7 +24,8 @@ CODE_VARIANTS = WORD_VARIANTS + ("accept",)
 CHAIN_VARIANTS = ("frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain")
 # Measured by vLLM (``--engine vllm``, ``benchmarks.acceptance.engine_run``): trained under the engine's rule and, for
 # the chains, its schedule (``@per_step``: SGLang's, for contrast).
-ENGINE_VARIANTS = ("frozen", "ce", "accept", "ce+chain", "accept+chain", "accept+chain@per_step")
+# ``+profile``: trained with the engine's profile (``mtp_hooks.profiles``) and decaying step weights.
+ENGINE_VARIANTS = ("frozen", "ce", "accept", "ce+chain", "accept+chain", "accept+chain@per_step", "accept+profile")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,8 @@ def test_variants_train_under_the_engines_rule_and_schedule() -> None:
     assert (chain["draft_steps"], chain["draft_inputs"], chain["draft_layers"]) == (3, "argmax", "first")
     assert engine_options("accept+chain@per_step", 3)["draft_layers"] == "per_step"
     assert "draft_steps" not in engine_options("frozen", 3)
+    profiled = engine_options("accept+profile", 3)
+    assert profiled["engine"].attach_options()["mtp_input"] == "pre_final_norm" and profiled["draft_step_weights"] == 0.6
     with pytest.raises(ValueError, match="needs a chain variant"):
         engine_options("ce@per_step", 3)
 
