@@ -18,14 +18,14 @@ import torch.nn.functional as F
 from mtp_hooks.testing.deepseek import TinyDeepSeek, deepseek_missing
 from mtp_hooks.testing.gpt import TinyQwen
 
-__all__ = ["EPS", "FAMILIES", "HIDDEN", "LAYERS", "TinyGlm", "VOCAB", "family_missing", "shape"]
+__all__ = ["DEEPSEEK_V3_STYLE", "EPS", "FAMILIES", "HIDDEN", "LAYERS", "TinyGlm", "VOCAB", "family_missing", "shape"]
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
 VOCAB, HIDDEN, LAYERS = 1024, 128, 2
 EPS = 1e-6  # RMSNorm epsilon on both sides
 
 # What DeepSeek-V3's (and GLM-4.5's) HF layer computes and TinyDeepSeek's defaults leave out.
-_DEEPSEEK_V3_STYLE: dict[str, Any] = dict(
+DEEPSEEK_V3_STYLE: dict[str, Any] = dict(
     gated_linear_unit=True,
     activation_func=F.silu,
     qk_layernorm=True,
@@ -89,9 +89,9 @@ def shape(
     sizes = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, mtp_num_layers=mtp_num_layers)
     sizes["max_sequence_length"] = 512
     if family == "deepseek_v3":
-        return TinyDeepSeek(num_attention_heads=2, config_overrides={**_DEEPSEEK_V3_STYLE, **_MLA}, **sizes)
+        return TinyDeepSeek(num_attention_heads=2, config_overrides={**DEEPSEEK_V3_STYLE, **_MLA}, **sizes)
     if family == "glm4_moe":
-        overrides = {**_DEEPSEEK_V3_STYLE, "layernorm_epsilon": EPS}
+        overrides = {**DEEPSEEK_V3_STYLE, "layernorm_epsilon": EPS}
         return TinyGlm(num_attention_heads=hidden_size // 32, config_overrides=overrides, **sizes)
     if family == "mimo":
         heads, groups = hidden_size // 32, hidden_size // 64

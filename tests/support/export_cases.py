@@ -19,21 +19,13 @@ import re
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mtp_hooks.testing import TinyDeepSeek, TinyQwen
+from mtp_hooks.testing.engine_shapes import DEEPSEEK_V3_STYLE  # what DeepSeek-V3's HF layer computes
 
 VOCAB = 64
 
-# What DeepSeek-V3's HF layer computes and TinyDeepSeek's defaults leave out.
-DEEPSEEK_V3_STYLE: dict[str, Any] = dict(
-    gated_linear_unit=True,
-    activation_func=F.silu,
-    qk_layernorm=True,
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-)
 
 
 def deepseek_v3_shape(mtp_num_layers: int = 2, **overrides: Any) -> TinyDeepSeek:

@@ -103,7 +103,8 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
-    """The draft chain (``stock_steps``) and its step weights (``stock_step_weights``) on stock mcore."""
+    """The draft chain (``stock_steps``), its step weights (``stock_step_weights``) and MTP layer 1's input
+    (``stock_pre_norm_input``) on stock mcore."""
     with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain):
         yield
 
