@@ -28,9 +28,11 @@ from torch import Tensor, nn
 from mtp_hooks import _mcore
 from mtp_hooks.checks import check_label_range
 from mtp_hooks.errors import bad_argument
-from mtp_hooks.features import chain, deferral, detach, logprobs, mtp_input, mtp_loss, packing, tied_copy
+from mtp_hooks.features import chain, deferral, detach, engine_geometry, logprobs, mtp_input, mtp_loss, packing
+from mtp_hooks.features import tied_copy
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import MTPMetrics
+from mtp_hooks.models import mtp_layer_body
 from mtp_hooks.options import Options
 from mtp_hooks.runtime.arguments import CallArguments, HookResult
 from mtp_hooks.runtime.binding import ModelBinding
@@ -49,6 +51,7 @@ class InFlight(Forward):
     packing: packing.Packing = dataclasses.field(default_factory=packing.Packing)
     tied: tied_copy.Served = dataclasses.field(default_factory=tied_copy.Served)
     before_norm: mtp_input.BeforeNorm = dataclasses.field(default_factory=mtp_input.BeforeNorm)
+    engine_steps: engine_geometry.EngineSteps = dataclasses.field(default_factory=engine_geometry.EngineSteps)
 
 
 class ForwardHooks:
@@ -105,6 +108,9 @@ class ForwardHooks:
                 recorder = step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True)
                 handles.append(recorder)
                 handles.append(step_layer.register_forward_hook(self.on_step_layer_post))
+                if options.draft_geometry == "engine":
+                    core = engine_geometry.core_attention(mtp_layer_body(step_layer))
+                    handles.append(core.register_forward_hook(self.on_step_attention_post, with_kwargs=True))
         return handles
 
     # ------------------------------------------------------------------ the model's own hooks
@@ -200,6 +206,13 @@ class ForwardHooks:
             mtp_input.keep_norm_input(fwd.before_norm, args, kwargs)
         return None
 
+    def on_step_attention_post(self, core: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """``draft_geometry="engine"``: step 1 keeps its keys, steps 2..k attend as the engine's cache lets them."""
+        fwd = self._forward_here()
+        if fwd is None or not fwd.train:
+            return None
+        return engine_geometry.on_core_attention(fwd.engine_steps, core, args, kwargs)
+
     def on_step_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Kept first among the step layer's pre-hooks: the chain records the block's own arguments."""
         fwd = self._forward_here()
@@ -220,7 +233,8 @@ class ForwardHooks:
             return None
         extended = None
         if self.plan.changes_block:  # before the swaps end: the extra calls run as the block's did
-            extended = chain.extend(fwd.chain, self.plan, block, output)
+            engine = fwd.engine_steps if self.options.draft_geometry == "engine" else None
+            extended = chain.extend(fwd.chain, self.plan, block, output, engine)
         fwd.restore_swaps()
         fwd.block_output = output if extended is None else extended
         self.binding.open_window(fwd)

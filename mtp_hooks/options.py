@@ -13,6 +13,7 @@ LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
 DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
 DraftLayers = Literal["per_step", "first"]  # which MTP layer runs draft step j
+DraftGeometry = Literal["chain", "engine"]  # what steps 2..k attend over (``features.engine_geometry``)
 MTPInput = Literal["decoder_output", "pre_final_norm"]  # which main-model state MTP layer 1 reads
 StepWeights = Union[float, Sequence[float]]  # a decay beta (step j weighs beta ** (j - 1)), or one weight per step
 
@@ -21,6 +22,7 @@ OUTPUTS: tuple[str, ...] = get_args(Output)
 DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
 DRAFT_LAYERS: tuple[str, ...] = get_args(DraftLayers)
 MTP_INPUTS: tuple[str, ...] = get_args(MTPInput)
+DRAFT_GEOMETRIES: tuple[str, ...] = get_args(DraftGeometry)
 
 
 def _is_real(value: Any) -> bool:
@@ -50,6 +52,7 @@ class Options:
     draft_steps: Optional[int] = None
     draft_inputs: DraftInputs = "labels"
     draft_layers: DraftLayers = "per_step"
+    draft_geometry: DraftGeometry = "chain"
     # Each draft step's loss multiplied by its weight (None: all 1, stock's even split).
     draft_step_weights: Optional[StepWeights] = None
     # What MTP layer 1 reads of the main model (``features.mtp_input``): its decoder output, or the final norm's input.
@@ -118,6 +121,9 @@ class Options:
             raise bad_argument("draft_inputs", " or ".join(map(repr, DRAFT_INPUTS)), describe(self.draft_inputs))
         if self.draft_layers not in DRAFT_LAYERS:
             raise bad_argument("draft_layers", " or ".join(map(repr, DRAFT_LAYERS)), describe(self.draft_layers))
+        if self.draft_geometry not in DRAFT_GEOMETRIES:
+            expected = " or ".join(map(repr, DRAFT_GEOMETRIES))
+            raise bad_argument("draft_geometry", expected, describe(self.draft_geometry))
         if self.draft_step_weights is not None:
             object.__setattr__(self, "draft_step_weights", _step_weights(self.draft_step_weights))
         if self.mtp_input not in MTP_INPUTS:

@@ -30,7 +30,7 @@ class EngineProfile:
     """How one engine drafts ``k`` tokens from one checkpoint family (build it with ``vllm``, ``sglang``, ``megatron``).
 
     Training (``attach_options``): ``draft_steps`` = k, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
-    ``mtp_input``.
+    ``mtp_input``, ``draft_geometry`` (vLLM's cache geometry for steps 2..k).
     Prediction (``predict_options``): ``mtp_input`` (what MTP layer 1 reads of the target), ``geometry`` (what
     steps 2..k attend over) and ``recycle`` (what step j + 1 reads of step j).
     """
@@ -46,6 +46,7 @@ class EngineProfile:
     geometry: str
     recycle: str
     source: str
+    draft_geometry: str = "chain"  # what training runs steps 2..k in (``attach(draft_geometry=)``)
     untrained: tuple[str, ...] = ()
 
     @property
@@ -56,7 +57,7 @@ class EngineProfile:
         """The ``attach`` options that train the draft this engine runs."""
         return dict(
             draft_steps=self.k, draft_layers=self.draft_layers, draft_inputs=self.draft_inputs,
-            accept_rule=self.accept_rule, mtp_input=self.mtp_input,
+            accept_rule=self.accept_rule, mtp_input=self.mtp_input, draft_geometry=self.draft_geometry,
         )
 
     def predict_options(self) -> dict[str, Any]:
@@ -71,16 +72,12 @@ def _check(engine: str, family: str, k: Any) -> None:
         raise bad_argument("k", f"the number of tokens {engine} drafts per step, an int >= 1", describe(k))
 
 
-def _untrained(recycle: str, geometry: str) -> tuple[str, ...]:
+def _untrained(recycle: str, geometry: str, draft_geometry: str) -> tuple[str, ...]:
     gaps = []
     if recycle == "unnormed":
-        gaps.append(
-            "step j + 1 reads step j's output before the MTP layer's final norm (training hands on the normed)"
-        )
-    if geometry == "engine":
-        gaps.append(
-            "steps 2..k attend over step 1's states and their own (training runs each step over its own states)"
-        )
+        gaps.append("step j + 1 reads step j's output before the MTP layer's final norm (training hands on the normed)")
+    if geometry == "engine" and draft_geometry != "engine":
+        gaps.append("steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)")
     return tuple(gaps)
 
 
@@ -110,10 +107,12 @@ def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfil
             "version", "'0.32', '0.33' or '0.34' (the vLLM releases whose drafting is known)", describe(version)
         )
     mtp_input = "pre_final_norm" if family == "mimo" else "decoder_output"
+    # The engine geometry is trained where the rotary embedding sits outside the attention: not DeepSeek-V3's MLA.
+    draft_geometry = "engine" if k > 1 and family != "deepseek_v3" else "chain"
     return EngineProfile(
         "vllm", version, family, k, accept_rule="argmax", draft_layers="first", draft_inputs="argmax",
-        mtp_input=mtp_input, geometry="engine", recycle=recycle, source=source,
-        untrained=_untrained(recycle, "engine" if k > 1 else "chain"),
+        mtp_input=mtp_input, geometry="engine", recycle=recycle, source=source, draft_geometry=draft_geometry,
+        untrained=_untrained(recycle, "engine" if k > 1 else "chain", draft_geometry),
     )
 
 

@@ -24,7 +24,7 @@ training forward, with hooks only:
 
 Each step's attention runs over that step's states at every position: mcore's depth geometry,
 that of a full draft forward. An engine's cache holds, for earlier positions, the states of its
-first step; the chain changes the inputs and the layer reuse, not the attention context.
+first step: ``draft_geometry="engine"`` trains steps 2..k in that geometry (``engine_geometry``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from mtp_hooks.errors import bad_argument
+from mtp_hooks.features import engine_geometry
+from mtp_hooks.features.engine_geometry import EngineSteps
 from mtp_hooks.head import Head
 from mtp_hooks.models import find_language_model
 from mtp_hooks.ops.drafts import draft_tokens
@@ -119,7 +121,9 @@ def record_output(chain: ChainCall, output: Any) -> None:
         chain.step_layer_output = output
 
 
-def extend(chain: ChainCall, plan: Plan, block: nn.Module, output: Tensor) -> Tensor:
+def extend(
+    chain: ChainCall, plan: Plan, block: nn.Module, output: Tensor, engine: Optional[EngineSteps] = None
+) -> Tensor:
     """The MTP block's output as the plan's k steps: its kept chunks, then ``plan.reruns`` more calls
     of the step layer. With a step layer that runs first (``draft_layers="first"``) the output is
     built anew from that layer's recorded input (the block's chunk 0) and output, so the dropped
@@ -128,7 +132,7 @@ def extend(chain: ChainCall, plan: Plan, block: nn.Module, output: Tensor) -> Te
         raise AssertionError("mtp_hooks: the MTP block returned without a call of its step layer")
     kwargs, last = chain.step_layer_kwargs, chain.step_layer_output
     kept = [output] if plan.kept == plan.block_steps else [kwargs["hidden_states"], last[0]]
-    return torch.cat([*kept, *extra_steps(block.layers[plan.layer], kwargs, last, plan.reruns)])
+    return torch.cat([*kept, *extra_steps(block.layers[plan.layer], kwargs, last, plan.reruns, engine)])
 
 
 def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dict[str, Any]) -> None:
@@ -166,22 +170,38 @@ def step_drafts(head: Head, hidden: Tensor, temperature: Optional[float]) -> Ten
     return tokens.view(s, b).t().contiguous()
 
 
-def extra_steps(layer: nn.Module, kwargs: dict[str, Any], output: Any, count: int) -> list[Tensor]:
+def extra_steps(
+    layer: nn.Module, kwargs: dict[str, Any], output: Any, count: int, engine: Optional[EngineSteps] = None
+) -> list[Tensor]:
     """Call the last MTP ``layer`` ``count`` more times, each on the previous call's ``output``
-    ``(hidden, input_ids, position_ids[, padding_mask])`` with the block's ``kwargs`` for it."""
+    ``(hidden, input_ids, position_ids[, padding_mask])`` with the block's ``kwargs`` for it; with ``engine``
+    (``draft_geometry="engine"``) each call is step j of it: rotary advanced, attention over step 1's cache."""
     hidden_states = []
-    for _ in range(count):
-        call = dict(kwargs, hidden_states=output[0], input_ids=output[1], position_ids=output[2])
-        if len(output) > 3:
-            call["padding_mask"] = output[3]
-        output = layer(**call)
-        hidden_states.append(output[0])
+    try:
+        for i in range(count):
+            call = dict(kwargs, hidden_states=output[0], input_ids=output[1], position_ids=output[2])
+            if len(output) > 3:
+                call["padding_mask"] = output[3]
+            if engine is not None:
+                engine.step = i + 2
+                engine_geometry.shifted_rotary(call, i + 1)
+            output = layer(**call)
+            hidden_states.append(output[0])
+    finally:
+        if engine is not None:
+            engine.step = 0
     return hidden_states
 
 
 def check(model: nn.Module, options: Options) -> None:
-    """Refuse a chain the model (as ``attach`` was given it) cannot run (``check_chain``)."""
-    check_chain(find_language_model(model), options.draft_steps, options.draft_inputs, options.draft_layers)
+    """Refuse a chain the model (as ``attach`` was given it) cannot run (``check_chain``), and an engine geometry
+    it cannot train (``engine_geometry.check``)."""
+    language_model = find_language_model(model)
+    check_chain(language_model, options.draft_steps, options.draft_inputs, options.draft_layers)
+    if options.draft_geometry == "engine":
+        steps, modules = options.steps(language_model.config), len(language_model.mtp.layers)
+        plan = Plan.of(steps, language_model.config, modules, options.draft_layers)
+        engine_geometry.check(language_model, plan, steps)
 
 
 def check_chain(model: nn.Module, steps: Optional[int], inputs: str, draft_layers: str) -> None:

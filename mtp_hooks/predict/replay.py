@@ -81,11 +81,10 @@ def predict_engine_acceptance(
         if (mtp_input, geometry) != ("decoder_output", "chain"):
             raise ValueError("engine: the profile sets mtp_input and geometry; pass either, not both")
         mtp_input, geometry, recycle = engine.mtp_input, engine.geometry, engine.recycle
-        trained = {name: getattr(hooks.options, name) for name in engine.attach_options()}
-        if trained != engine.attach_options():
-            raise ValueError(
-                f"engine: hooks attached with {trained}, not as {engine.name} drafts: {engine.attach_options()}"
-            )
+        wanted = {k: v for k, v in engine.attach_options().items() if k != "draft_geometry"}  # training's own
+        trained = {name: getattr(hooks.options, name) for name in wanted}
+        if trained != wanted:
+            raise ValueError(f"engine: hooks attached with {trained}, not as {engine.name} drafts: {wanted}")
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"prompts: expected one length, received {sorted(lengths)}")

@@ -1,0 +1,131 @@
+"""``draft_geometry="engine"``: draft steps 2..k trained in the geometry of an engine that reuses one MTP layer.
+
+From a start p an engine such as vLLM's proposer fills the draft layer's cache with step 1 (the target's hidden
+state and the real next token) at every position up to p, then appends steps 2..k one token at a time: step j's
+query sits at position p + j - 1 and attends over step 1's keys at positions <= p and over steps 2..j's own keys
+of that start. The chain (``features.chain``) calls the step layer again for steps 2..k over the whole sequence;
+here, for every start at once:
+
+* the block's call of the step layer (step 1) keeps its core attention's keys and values (``keep_step_one``),
+  with their gradient, so steps 2..k train the cached states too;
+* each later call's rotary embedding is shifted by j - 1 positions (``shifted_rotary``; a start past the end of
+  the sequence has no target, so the last positions repeat the last angle);
+* that call's core attention output is replaced (``step_attention``): its query attends, per start, over step
+  1's keys up to the start and the diagonal of steps 2..j (EAGLE-3's training-time-test mask), computed here
+  in fp32 whatever the backend, so any core attention serves (its own output for that call is discarded).
+
+Refused at ``attach`` (``check``) where that cannot be honoured: a step served by another layer than step 1's,
+learned absolute positions or MLA (whose rotary lives inside the attention), context parallelism, activation
+recompute, attention dropout, and a softmax other than the plain one; packed THD sequences at the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from mtp_hooks.errors import bad_argument
+
+__all__ = ["EngineSteps", "check", "on_core_attention", "shifted_rotary", "step_attention"]
+
+
+@dataclasses.dataclass
+class EngineSteps:
+    """Per training forward: the step layer's keys and values, step 1's first, and the step now running (0: the
+    block's own call)."""
+
+    keys: list[tuple[Tensor, Tensor]] = dataclasses.field(default_factory=list)
+    step: int = 0
+
+
+def check(model: nn.Module, plan: Any, steps: int) -> None:
+    """Refuse the engine geometry where the model or the plan cannot run it (``plan``: ``chain.Plan``)."""
+    config = model.config
+
+    def refuse(expected: str, received: str) -> None:
+        raise bad_argument("draft_geometry", f"'chain', or 'engine' with {expected}", received)
+
+    if steps < 2 or plan.kept != 1 or plan.reruns != steps - 1:
+        refuse("one MTP layer drafting every step (draft_layers='first', or one MTP layer) and draft_steps >= 2",
+               f"draft_steps={steps} over {plan.block_steps} block step(s), {plan.kept} kept")
+    position = getattr(model, "position_embedding_type", "rope")
+    if position not in ("rope", "none") or getattr(config, "multi_latent_attention", False):
+        refuse("rotary or no position embedding outside the attention (not learned absolute, not MLA)",
+               f"position_embedding_type={position!r}, multi_latent_attention="
+               f"{getattr(config, 'multi_latent_attention', False)}")
+    for name, fine in (("context_parallel_size", 1), ("recompute_granularity", None), ("attention_dropout", 0.0),
+                       ("window_size", None), ("apply_query_key_layer_scaling", False)):
+        value = getattr(config, name, fine)
+        if value != fine:
+            refuse(f"config.{name} = {fine!r}", f"config.{name} = {value!r}")
+    softmax = getattr(config, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        refuse("the plain softmax", f"config.softmax_type = {softmax!r}")
+
+
+def core_attention(body: nn.Module) -> nn.Module:
+    """The step layer's core attention module (``body``: its transformer layer)."""
+    return body.self_attention.core_attention
+
+
+def keep_step_one(steps: EngineSteps, key: Tensor, value: Tensor) -> None:
+    if not steps.keys:
+        steps.keys.append((key, value))
+
+
+def shifted_rotary(kwargs: dict[str, Any], shift: int) -> None:
+    """Step ``shift + 1``'s call: its rotary embedding ``[s, 1, 1, d]`` moved ``shift`` positions on."""
+    rotary = kwargs.get("rotary_pos_emb")
+    if rotary is None or shift == 0:
+        return
+    if not isinstance(rotary, Tensor):
+        raise bad_argument("draft_geometry", "'engine' with one rotary embedding tensor", type(rotary).__name__)
+    kwargs["rotary_pos_emb"] = torch.cat([rotary[shift:], rotary[-1:].expand(shift, *rotary.shape[1:])])
+
+
+def step_attention(steps: EngineSteps, module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Step j's attention (j = ``steps.step``): each start's query over step 1's keys up to it and the diagonal of
+    steps 2..j; ``[s, b, heads * d_value]`` in the query's dtype."""
+    steps.keys.append((key, value))
+    first_key, first_value = steps.keys[0]
+    s, b, heads, _ = query.shape
+    scale = getattr(module, "softmax_scale", None) or 1.0 / math.sqrt(query.shape[-1])
+
+    def spread(t: Tensor) -> Tensor:  # grouped-query heads repeated over their queries, fp32
+        return t.repeat_interleave(heads // t.shape[2], dim=2).float() if t.shape[2] != heads else t.float()
+
+    q = query.float()
+    cached = torch.einsum("sbhd,tbhd->bhst", q, spread(first_key)) * scale  # [b, h, s, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    cached = cached.masked_fill(~causal, float("-inf"))
+    own = torch.stack([(q * spread(k)).sum(-1) * scale for k, _ in steps.keys[1:]], -1)  # [s, b, h, j - 1]
+    probs = torch.softmax(torch.cat([cached, own.permute(1, 2, 0, 3)], -1), -1)
+    out = torch.einsum("bhst,tbhd->sbhd", probs[..., :s], spread(first_value))
+    own_values = torch.stack([spread(v) for _, v in steps.keys[1:]], -1)  # [s, b, h, d, j - 1]
+    out = out + (own_values * probs[..., s:].permute(2, 0, 1, 3).unsqueeze(3)).sum(-1)
+    return out.reshape(s, b, -1).to(query.dtype)
+
+
+def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """``(query, key, value)`` of a core attention call, ``[s, b, heads, d]``; ``None`` for packed THD input."""
+    names = ("query", "key", "value")
+    found = [args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names)]
+    if found[0].dim() != 4 or kwargs.get("packed_seq_params") is not None:
+        return None
+    return found[0], found[1], found[2]
+
+
+def on_core_attention(steps: EngineSteps, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The step layer's core attention returned: step 1 keeps its keys and values (the output stands); a later
+    step's output is replaced by its attention in the engine's geometry."""
+    qkv = inputs(args, kwargs)
+    if qkv is None:
+        raise bad_argument("draft_geometry", "'engine' with [s, b, heads, d] attention inputs", "packed THD input")
+    if steps.step == 0:
+        keep_step_one(steps, qkv[1], qkv[2])
+        return None
+    return step_attention(steps, module, *qkv)
