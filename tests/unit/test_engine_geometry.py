@@ -4,10 +4,10 @@ The reference drafts each start p alone, as an engine reusing one MTP layer does
 teacher-forced call (a twin hooked with ``draft_steps=1``, weighted as one of k steps, whose step-1 path is stock's
 per the parity matrix); step j >= 2 runs the MTP layer's transformer layer over step 1's body inputs at positions
 0..p followed by steps 2..j's own inputs of that start (positions p + 1 .. p + j - 1, causal, rotary as at those
-positions), and its loss is mcore's depth-j loss at p (labels and mask rolled j times), weighted ``loss_scale / k``
-over the starts it counts. Losses (``mtp_j/loss``) and every parameter's gradient must agree. On a tiny model's
-default initialisation the two geometries barely differ, so the weights are scaled up and the norms moved off 1;
-the chain geometry is checked to differ from the reference there.
+positions), and its loss is mcore's depth-j loss at p (labels and mask rolled j times), weighted
+``loss_scale * w_j / k`` over the starts it counts (``draft_step_weights``). Losses (``mtp_j/loss``) and every
+parameter's gradient must agree. On a tiny model's default initialisation the two geometries barely differ, so
+the weights are scaled up and the norms moved off 1; the chain geometry is checked to differ from the reference.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 VOCAB, SEQ, SCALE = 64, 10, 0.3
 SHAPE = TinyGPT(vocab_size=VOCAB, mtp_num_layers=1, position_embedding_type="rope")
-# name: (the model, what feeds steps 2..k, which layers draft); the reference drafts with layer 1 in every case
-CASES: dict[str, tuple[Any, str, str]] = {
-    "one_layer_labels": (SHAPE, "labels", "per_step"),
-    "gqa_argmax": (TinyQwen(vocab_size=VOCAB, mtp_num_layers=1), "argmax", "per_step"),
-    "two_layers_first": (TinyGPT(vocab_size=VOCAB, mtp_num_layers=2, position_embedding_type="rope"), "labels", "first"),
+# name: (the model, what feeds steps 2..k, which layers draft, step weights); the reference drafts with layer 1
+CASES: dict[str, tuple[Any, str, str, tuple[float, ...]]] = {
+    "one_layer_labels": (SHAPE, "labels", "per_step", (1.0, 1.0, 1.0)),
+    "gqa_argmax": (TinyQwen(vocab_size=VOCAB, mtp_num_layers=1), "argmax", "per_step", (1.0, 1.0, 1.0)),
+    "two_layers_first": (TinyGPT(vocab_size=VOCAB, mtp_num_layers=2, position_embedding_type="rope"), "labels", "first",
+                         (1.0, 1.0, 1.0)),
+    "step_weights": (SHAPE, "labels", "per_step", (0.5, 1.75, 0.25)),
 }
 
 
@@ -55,10 +57,11 @@ def grads(net: nn.Module) -> dict[str, Tensor]:
 
 
 def hooked(batch: Batch, steps: int, geometry: str, case: str) -> tuple[dict[str, float], dict[str, Tensor]]:
-    shape, inputs, layers = CASES[case]
+    shape, inputs, layers, weights = CASES[case]
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     net = model(shape)
-    options = dict(draft_steps=steps, loss_scale=SCALE, draft_geometry=geometry, draft_inputs=inputs, draft_layers=layers)
+    options = dict(draft_steps=steps, loss_scale=SCALE, draft_geometry=geometry, draft_inputs=inputs, draft_layers=layers,
+                   draft_step_weights=weights[:steps])
     with mtp_hooks.attached(net, **options) as hooks:
         with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
             logits = net(*batch.model_args)
@@ -72,7 +75,7 @@ def _project(layer: nn.Module, embedded: Tensor, hidden: Tensor) -> Tensor:
 
 
 def reference(batch: Batch, steps: int, case: str) -> tuple[dict[str, float], dict[str, Tensor]]:
-    shape, inputs, layers = CASES[case]
+    shape, inputs, layers, weights = CASES[case]
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     net = model(shape)
     layer, body = net.mtp.layers[0], mtp_layer_body(net.mtp.layers[0])
@@ -87,7 +90,7 @@ def reference(batch: Batch, steps: int, case: str) -> tuple[dict[str, float], di
     ids, labels = batch.input_ids, batch.labels
     mask = batch.loss_mask if batch.loss_mask is not None else torch.ones_like(labels, dtype=torch.float32)
     b, s = ids.shape
-    with mtp_hooks.attached(net, draft_steps=1, loss_scale=SCALE / steps, draft_layers="first") as hooks:
+    with mtp_hooks.attached(net, draft_steps=1, loss_scale=SCALE * weights[0] / steps, draft_layers="first") as hooks:
         with hooks.micro_batch(labels=labels, loss_mask=batch.loss_mask):
             logits = net(*batch.model_args)
         step_one = hooks.metrics(reset=False)
@@ -118,7 +121,7 @@ def reference(batch: Batch, steps: int, case: str) -> tuple[dict[str, float], di
                 ce_sum = ce_sum + F.cross_entropy(head[None], labels[row, at].view(1)) * mask[row, at]
                 counted = counted + mask[row, at]
         metrics[f"mtp_{j}/loss"] = float(ce_sum / counted)
-        total = total + SCALE / steps * ce_sum / counted.clamp(min=1)
+        total = total + SCALE * weights[j - 1] / steps * ce_sum / counted.clamp(min=1)
     total.backward()
     return metrics, grads(net)
 
