@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtp_hooks import _mcore
-from mtp_hooks.features import chain, detach
+from mtp_hooks.features import chain, detach, mtp_input
 from mtp_hooks.head import check_bias_free
 from mtp_hooks.models import check_model, find_language_model
 from mtp_hooks.options import Options
@@ -29,6 +29,7 @@ def check(model: nn.Module, options: Options) -> nn.Module:
     options.check_config(language_model.config)
     detach.check(model, options)
     check_bias_free(language_model)
-    _mcore.check_call_conventions(language_model, detach.layer_keywords(options))
+    keywords = tuple(dict.fromkeys(detach.layer_keywords(options) + mtp_input.layer_keywords(options)))
+    _mcore.check_call_conventions(language_model, keywords)
     chain.check(model, options)
     return language_model

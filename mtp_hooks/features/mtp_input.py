@@ -31,6 +31,11 @@ def wanted(options: Options) -> bool:
     return options.mtp_input == "pre_final_norm"
 
 
+def layer_keywords(options: Options) -> tuple[str, ...]:
+    """The MTP layers' keyword arguments ``feed_layer`` rewrites (checked against the release at ``attach``)."""
+    return ("hidden_states",) if wanted(options) else ()
+
+
 def final_norm(model: nn.Module) -> Optional[nn.Module]:
     """The decoder's final norm, or ``None`` (no norm: its output is its input)."""
     return getattr(model.decoder, "final_layernorm", None)
