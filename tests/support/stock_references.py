@@ -51,6 +51,16 @@ def step_weights(chain: str) -> Optional[list[float]]:
     return [weights**j for j in range(steps)] if isinstance(weights, float) else list(weights)
 
 
+@contextlib.contextmanager
+def removed_on_exit(handles: list[Any]) -> Iterator[None]:
+    """Remove the hook ``handles`` when the block ends, also after an error."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def gather_vocab(logits: Tensor) -> Tensor:
     """``[..., V/tp]`` logits gathered over the tensor-parallel group (as they are on one rank)."""
     from megatron.core import parallel_state
@@ -94,11 +104,8 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
             return args, kwargs
 
         handles.append(model.output_layer.register_forward_pre_hook(detach_weight, with_kwargs=True))
-    try:
+    with removed_on_exit(handles):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -135,11 +142,8 @@ def stock_pre_norm_input(model: nn.Module, chain: str) -> Iterator[None]:
         model.decoder.final_layernorm.register_forward_pre_hook(keep),
         model.mtp.layers[0].register_forward_pre_hook(swap, with_kwargs=True, prepend=True),
     ]
-    try:
+    with removed_on_exit(handles):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
