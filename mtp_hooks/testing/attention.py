@@ -9,7 +9,10 @@ the tiny models need:
 * multi-latent attention (DeepSeek): the value head dimension may differ from the query/key one,
   the output is ``heads * value_head_dim`` wide;
 * packed sequences (``cu_seqlens``, padded or not): no attention across sequence boundaries;
-* context parallelism (mcore's load-balanced split): keys and values are gathered over the CP group.
+* context parallelism (mcore's load-balanced split): keys and values are gathered over the CP group;
+* a given ``attention_mask`` (mcore's convention: ``[b or 1, 1, s, s]``, True where masked) narrows the causal mask
+  further, for unpacked sequences on one CP rank (a token always sees itself, so no row is empty). mcore's own
+  softmax does the same with a given mask (its causal type only fills in a missing one).
 
 Swap it into a spec with ``mtp_hooks.testing.local_layer_spec()`` or ``replace_module_class``.
 """
@@ -99,6 +102,9 @@ class SDPAttention(MegatronModule):
             )
             k, v = (_GatherSequence.apply(t, self.cp_group) for t in (k, v))
         mask = positions[:, None] >= key_positions[None, :]
+        if attention_mask is not None and bounds is None and positions is key_positions:
+            diagonal = torch.eye(s, dtype=torch.bool, device=query.device)
+            mask = mask & (~attention_mask.to(device=query.device, dtype=torch.bool) | diagonal)
         if bounds is not None:
             starts = bounds[1:-1].to(device=query.device, dtype=positions.dtype)
             query_segment = torch.bucketize(positions, starts, right=True)

@@ -5,9 +5,11 @@ loss path (``lean`` auto, ``fused``, ``recompute``, ``dense``), tied / untied he
 accumulation fusion under mcore's DDP (``main_grad`` compared), fp32 / bf16 / fp16 (``Float16Module``,
 fp16 with a loss scaler at 2^12), detach flags, ``calculate_per_token_loss``, ``torch.utils.checkpoint``
 of the model call, 1 or 2 micro-batches in flight (all forwards first, backwards in forward or
-reverse order), the draft chain, and the acceptance measured (``accept``: off, or the argmax,
+reverse order), the draft chain (its step weights, MTP layer 1's input, and steps 2..k in the engine's
+geometry on twins with rotary positions: ``stock_engine_geometry``), and the acceptance measured (``accept``: off, or the argmax,
 sampled and match rules at T > 0 and greedy T = 0, against a dense reference from stock's logits;
-never with the dense loss path, which measures none: ``parity.FORBIDDEN``). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2.
+never with the dense loss path, which measures none: ``parity.FORBIDDEN``). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2
+(not with the engine geometry, which refuses CP).
 
 Default set (``make test``): every combination of values of any 3 knobs (a greedy 3-wise covering
 set), the full product of output x loss path x head x fusion x checkpoint x micro-batches at fp32,
@@ -208,3 +210,15 @@ def test_the_comparison_catches_acceptance_measured_under_another_rule_or_temper
     assert hooked is not None
     with pytest.raises(AssertionError, match="acceptance metrics"):
         parity.compare(case, hooked, stock, reference)
+
+
+def test_the_comparison_catches_engine_steps_trained_in_the_chain_geometry() -> None:
+    """The engine reference (steps 2..k over step 1's cache) is not the chain's: a hooked twin training the same steps
+    in the chain geometry fails against it, in the losses of steps 2..k and the MTP layer's gradients."""
+    case = Case(chain="engine_first_k3")
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    hooked, _, _ = parity.run_twins(case, hooked_options={"draft_geometry": "chain"})
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="MTP losses"):
+        parity.compare(case, hooked, stock, reference)
+    assert hooked.metrics[0][0] == pytest.approx(stock.mtp[0][0], rel=1e-6)  # step 1 is the same in both

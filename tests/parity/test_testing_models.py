@@ -102,3 +102,23 @@ def test_sdpa_attention_refuses_query_heads_that_do_not_divide_into_groups() -> 
     query, key = torch.randn(4, 1, 4, 8), torch.randn(4, 1, 3, 8)
     with pytest.raises(ValueError, match="4 query heads cannot share 3 key/value heads"):
         attention(query, key, key, attention_mask=None)
+
+
+def test_sdpa_attention_narrows_the_causal_mask_by_a_given_mask_as_mcore_softmax_does() -> None:
+    """A given ``attention_mask`` (True where masked, mcore's convention) removes keys from the causal mask; a row it
+    empties keeps its own key. Checked against softmax attention written out with the combined mask."""
+    attention = testing.SDPAttention(testing.TinyGPT().config(), layer_number=1, attn_mask_type=None, attention_type="self")
+    gen = torch.Generator().manual_seed(5)
+    s, b, heads, d = 6, 2, 4, 8
+    query, key, value = (torch.randn(s, b, heads, d, generator=gen) for _ in range(3))
+    given = torch.rand(1, 1, s, s, generator=gen) < 0.5
+    given[0, 0, 3] = True  # row 3 loses every key: it keeps its own
+
+    out = attention(query, key, value, attention_mask=given)
+
+    allowed = torch.ones(s, s, dtype=torch.bool).tril() & ~given[0, 0] | torch.eye(s, dtype=torch.bool)
+    scores = torch.einsum("ibhd,jbhd->bhij", query, key) / d**0.5
+    expected = torch.einsum("bhij,jbhd->ibhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), value)
+    torch.testing.assert_close(out, expected.reshape(s, b, heads * d), atol=1e-5, rtol=1e-5)
+    causal = attention(query, key, value, attention_mask=None)
+    assert not torch.allclose(out, causal), "the given mask changed nothing"

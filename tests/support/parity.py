@@ -4,7 +4,7 @@ Test-only support for ``tests/parity/test_parity_matrix.py``, on the pieces of t
 harness ``mtp_hooks.testing.twins`` (batches, the output-layer recorder, mcore's tracker, the hooks'
 per-depth losses). What is the matrix's own: a ``Case`` names one value per knob (output mode, loss
 path, tied head, gradient-accumulation fusion under mcore's DDP, dtype, detach flags, per-token
-loss, checkpoint recompute, micro-batches in flight, the draft chain, the acceptance rule measured
+loss, checkpoint recompute, micro-batches in flight, the draft chain (and its engine geometry), the acceptance rule measured
 (``parity_acceptance``), parallel layout). ``run_case`` builds the twins with the same weights
 (rounded to the case's dtype, wrapped as the case says), runs the same micro-batches through both in
 the schedule's order and compares:
@@ -48,8 +48,9 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
 from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
-from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, PRE_NORM, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
-from tests.support.parity_acceptance import ACCEPT, FORBIDDEN, accept_options, accept_reference, hooked_acceptance, stock_acceptance
+from tests.support.stock_engine_geometry import stock_engine_steps
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, ENGINE, PRE_NORM, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
+from tests.support.parity_acceptance import ACCEPT, FORBIDDEN_ACCEPT, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 
 VOCAB = 64
 SEED = 1234
@@ -69,10 +70,12 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
     "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay", "pre_norm",
-              "first_k2_argmax_pre_norm"),
+              "first_k2_argmax_pre_norm", *ENGINE),
     "accept": tuple(ACCEPT),
 }
-# FORBIDDEN (``parity_acceptance``): the value pairs no case can have, left out of the covering sets.
+# The value pairs no case can have, left out of the covering sets: an acceptance rule with the dense loss path
+# (``parity_acceptance``), and the engine geometry with CP (which it refuses: ``features.engine_geometry``).
+FORBIDDEN = FORBIDDEN_ACCEPT | frozenset((("layout", "cp"), ("chain", value)) for value in ENGINE)
 LAYOUTS = ("tp", "sp", "cp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The loss scaler's value per dtype (fp16 needs one; the others run at 1).
@@ -131,6 +134,8 @@ class Case:
             options.update(draft_step_weights=STEP_WEIGHTS[self.chain])
         if self.chain in PRE_NORM:
             options.update(mtp_input="pre_final_norm")
+        if self.chain in ENGINE:
+            options.update(draft_geometry="engine")
         options.update(accept_options(self.accept))
         return options
 
@@ -164,7 +169,14 @@ class Case:
             parts.append("MTP layer 1's first call per forward reads the decoder's final norm input (a stock pre-hook)")
         if self.chain in STEP_WEIGHTS:
             parts.append(f"step weights {step_weights(self.chain)}: stock's i-th MTPLossAutoScaler.apply of a forward hangs w_i x its loss")
-        if steps is not None and draft_layers == "first":
+        if self.chain in ENGINE:
+            parts.append(
+                f"the engine geometry on stock: mcore's own {steps}-depth MTP loss, the block's layer-2 output dropped, step j "
+                "a call of layer 1 over steps 1..j's inputs joined (j x s tokens) with a mask where step i at p sees step 1 "
+                "at <= p and steps 2..i at p, rotary at p + i - 1"
+                + (", steps 2.. embedding the argmax of the full (gathered) logits of the previous step's output" if inputs == "argmax" else "")
+            )
+        elif steps is not None and draft_layers == "first":
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps}), the block's "
                 f"layer-2 output dropped, the first layer called {steps - 1} more times on the block's arguments for it"
@@ -325,7 +337,8 @@ def _shape(case: Case, dtype: str) -> TinyGPT:
         overrides["sequence_parallel"] = True
     if dtype == "fp16":
         overrides["fp16"] = True
-    return TinyGPT(vocab_size=VOCAB, tied=case.tied, params_dtype=DTYPES[dtype], config_overrides=overrides)
+    position = "rope" if case.chain in ENGINE else "learned_absolute"  # the engine geometry refuses learned absolute
+    return TinyGPT(vocab_size=VOCAB, tied=case.tied, params_dtype=DTYPES[dtype], position_embedding_type=position, config_overrides=overrides)
 
 
 def build_twin(case: Case, dtype: str, weights: Mapping[str, Tensor], wrap: bool) -> Twin:
@@ -429,7 +442,7 @@ def run_stock(case: Case, twin: Twin, batches: list[tuple[Batch, Tensor]], grad_
     tracker read right after each forward; the MTP scale in forward (0.5) differs from backward's."""
     run, losses = Run(), []
     MTPLossAutoScaler.set_loss_scale(torch.tensor(0.5))
-    with stock_chain(twin.inner, case.chain), stock_detaches(twin.inner, case.detach, case.steps):
+    with stock_chain(twin.inner, case.chain), stock_engine_steps(twin.inner, case.chain), stock_detaches(twin.inner, case.detach, case.steps):
         for batch, advantages in batches:
 
             def forward(*model_args: Any, batch: Batch = batch) -> tuple[Tensor, Tensor, Tensor]:

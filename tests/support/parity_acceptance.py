@@ -9,7 +9,7 @@ per depth k the masked means of argmax agreement and of the acceptance of depth 
 the main head at t + k (``draft_references.acceptance``, full vocabulary: the TP shards gathered,
 with CP the whole sequence gathered and this rank's positions kept), and ``mtp/accept_len``, the
 per-position chain. The dense loss path keeps stock's CE and measures no acceptance, so the axis
-never meets it (``FORBIDDEN``: the covering sets leave those combinations out).
+never meets it (``FORBIDDEN_ACCEPT``: the covering sets leave those combinations out).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ACCEPT: dict[str, Optional[tuple[str, float]]] = {
     "match": ("match", 0.7),
     "greedy": ("argmax", 0.0),
 }
-FORBIDDEN = frozenset((("loss_impl", "dense"), ("accept", value)) for value in ACCEPT if value != "off")
+FORBIDDEN_ACCEPT = frozenset((("loss_impl", "dense"), ("accept", value)) for value in ACCEPT if value != "off")
 KEYS = ("agree", "accept")
 
 

@@ -34,12 +34,17 @@ CHAIN: dict[str, tuple[Optional[int], str, str]] = {
     "k3_argmax_decay": (3, "argmax", "per_step"),
     "pre_norm": (None, "labels", "per_step"),
     "first_k2_argmax_pre_norm": (2, "argmax", "first"),
+    "engine_first_k3": (3, "labels", "first"),
+    "engine_first_k2_argmax_decay": (2, "argmax", "first"),
 }
 DEPTH = 2
 # ``draft_step_weights`` of the chain values that set one: per-step weights, or a decay.
-STEP_WEIGHTS: dict[str, Any] = {"weighted": (0.25, 1.75), "k3_argmax_decay": 0.6}
+STEP_WEIGHTS: dict[str, Any] = {"weighted": (0.25, 1.75), "k3_argmax_decay": 0.6, "engine_first_k2_argmax_decay": 0.6}
 # The chain values whose MTP layer 1 reads the decoder's final norm input (``mtp_input="pre_final_norm"``).
 PRE_NORM = ("pre_norm", "first_k2_argmax_pre_norm")
+# The chain values trained in the engine's geometry (``draft_geometry="engine"``; ``stock_engine_geometry``), on
+# twins with rotary positions (the geometry refuses learned absolute ones).
+ENGINE = ("engine_first_k3", "engine_first_k2_argmax_decay")
 
 
 def step_weights(chain: str) -> Optional[list[float]]:
@@ -180,7 +185,7 @@ def stock_steps(model: nn.Module, chain: str) -> Iterator[None]:
     arguments for it; with ``argmax`` every step after the first embeds the first argmax of the
     full-vocabulary logits (gathered, dense) of the hidden state it receives."""
     steps, inputs, draft_layers = CHAIN[chain]
-    if steps is None:
+    if steps is None or chain in ENGINE:
         yield
         return
     config, layers, handles = model.config, list(model.mtp.layers), []
@@ -195,7 +200,7 @@ def stock_steps(model: nn.Module, chain: str) -> Iterator[None]:
             return args, kwargs  # its output is dropped: not a step
         calls[0] += 1
         if inputs == "argmax" and calls[0] > 1:
-            drafts = _dense_drafts(model, kwargs["hidden_states"])
+            drafts = dense_drafts(model, kwargs["hidden_states"])
             embedding = kwargs["embedding"]
             kwargs["embedding"] = lambda **call: embedding(**{**call, "input_ids": drafts})
         return args, kwargs
@@ -229,7 +234,7 @@ def stock_steps(model: nn.Module, chain: str) -> Iterator[None]:
             handle.remove()
 
 
-def _dense_drafts(model: nn.Module, hidden: Tensor) -> Tensor:
+def dense_drafts(model: nn.Module, hidden: Tensor) -> Tensor:
     """``[b, s]`` first argmax of the output weight's full logits on ``hidden`` ``[s(/tp), b, h]``."""
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
