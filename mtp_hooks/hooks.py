@@ -211,7 +211,7 @@ class ForwardHooks:
         fwd = self._forward_here()
         if fwd is None or not fwd.train:
             return None
-        return engine_geometry.on_core_attention(fwd.engine_steps, core, args, kwargs)
+        return engine_geometry.on_core_attention(fwd.engine_steps, core, args, kwargs, out)
 
     def on_step_layer_pre(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Kept first among the step layer's pre-hooks: the chain records the block's own arguments."""

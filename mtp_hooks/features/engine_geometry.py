@@ -14,9 +14,12 @@ here, for every start at once:
   1's keys up to the start and the diagonal of steps 2..j (EAGLE-3's training-time-test mask), computed here
   in fp32 whatever the backend, so any core attention serves (its own output for that call is discarded).
 
+In packed THD sequences (``[t, heads, d]`` with ``packed_seq_params``) step 1's cache stops at each sequence's start
+(its padded bounds, as mcore's rotary counts positions), and the shifted rotary advances every sequence's positions.
+
 Refused at ``attach`` (``check``) where that cannot be honoured: a step served by another layer than step 1's,
 learned absolute positions or MLA (whose rotary lives inside the attention), context parallelism, activation
-recompute, attention dropout, and a softmax other than the plain one; packed THD sequences at the forward.
+recompute, attention dropout, and a softmax other than the plain one.
 """
 
 from __future__ import annotations
@@ -87,9 +90,12 @@ def shifted_rotary(kwargs: dict[str, Any], shift: int) -> None:
     kwargs["rotary_pos_emb"] = torch.cat([rotary[shift:], rotary[-1:].expand(shift, *rotary.shape[1:])])
 
 
-def step_attention(steps: EngineSteps, module: nn.Module, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+def step_attention(
+    steps: EngineSteps, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, segments: Optional[Tensor] = None
+) -> Tensor:
     """Step j's attention (j = ``steps.step``): each start's query over step 1's keys up to it and the diagonal of
-    steps 2..j; ``[s, b, heads * d_value]`` in the query's dtype."""
+    steps 2..j; ``[s, b, heads * d_value]`` in the query's dtype. ``segments`` ``[s]``: each token's packed sequence
+    (keys of another sequence are never seen)."""
     steps.keys.append((key, value))
     first_key, first_value = steps.keys[0]
     s, b, heads, _ = query.shape
@@ -100,8 +106,10 @@ def step_attention(steps: EngineSteps, module: nn.Module, query: Tensor, key: Te
 
     q = query.float()
     cached = torch.einsum("sbhd,tbhd->bhst", q, spread(first_key)) * scale  # [b, h, s, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    cached = cached.masked_fill(~causal, float("-inf"))
+    seen = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    if segments is not None:
+        seen = seen & (segments[:, None] == segments[None, :])
+    cached = cached.masked_fill(~seen, float("-inf"))
     own = torch.stack([(q * spread(k)).sum(-1) * scale for k, _ in steps.keys[1:]], -1)  # [s, b, h, j - 1]
     probs = torch.softmax(torch.cat([cached, own.permute(1, 2, 0, 3)], -1), -1)
     out = torch.einsum("bhst,tbhd->sbhd", probs[..., :s], spread(first_value))
@@ -110,22 +118,40 @@ def step_attention(steps: EngineSteps, module: nn.Module, query: Tensor, key: Te
     return out.reshape(s, b, -1).to(query.dtype)
 
 
-def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple[Tensor, Tensor, Tensor]]:
-    """``(query, key, value)`` of a core attention call, ``[s, b, heads, d]``; ``None`` for packed THD input."""
+def packed_segments(packed_seq_params: Any, tokens: int, device: torch.device) -> Tensor:
+    """Each of ``tokens`` packed tokens' sequence index, from the padded bounds where the layout has them (a
+    sequence's padding follows its tokens)."""
+    bounds = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if bounds is None:
+        bounds = packed_seq_params.cu_seqlens_q
+    return torch.bucketize(torch.arange(tokens, device=device), bounds[1:-1].to(device), right=True)
+
+
+def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``(query, key, value, segments)`` of a core attention call, ``[s, b, heads, d]`` (packed THD input
+    ``[t, heads, d]`` as ``[t, 1, heads, d]``, with each token's sequence; else ``None``)."""
     names = ("query", "key", "value")
     found = [args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names)]
-    if found[0].dim() != 4 or kwargs.get("packed_seq_params") is not None:
-        return None
-    return found[0], found[1], found[2]
+    packed = kwargs.get("packed_seq_params")
+    if found[0].dim() == 3:
+        if packed is None:
+            raise bad_argument("draft_geometry", "'engine' with [s, b, heads, d] attention inputs, or packed THD "
+                               "ones with packed_seq_params", f"query of shape {tuple(found[0].shape)}")
+        found = [t.unsqueeze(1) for t in found]
+    if packed is None or getattr(packed, "qkv_format", "thd") != "thd":
+        return found[0], found[1], found[2], None
+    return found[0], found[1], found[2], packed_segments(packed, found[0].shape[0], found[0].device)
 
 
-def on_core_attention(steps: EngineSteps, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The step layer's core attention returned: step 1 keeps its keys and values (the output stands); a later
-    step's output is replaced by its attention in the engine's geometry."""
-    qkv = inputs(args, kwargs)
-    if qkv is None:
-        raise bad_argument("draft_geometry", "'engine' with [s, b, heads, d] attention inputs", "packed THD input")
+def on_core_attention(
+    steps: EngineSteps, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> Any:
+    """The step layer's core attention returned ``output``: step 1 keeps its keys and values (the output stands); a
+    later step's output is replaced by its attention in the engine's geometry, in the backend's output shape."""
+    query, key, value, segments = inputs(args, kwargs)
     if steps.step == 0:
-        keep_step_one(steps, qkv[1], qkv[2])
+        keep_step_one(steps, key, value)
         return None
-    return step_attention(steps, module, *qkv)
+    out = step_attention(steps, module, query, key, value, segments)
+    shape = output.shape if isinstance(output, Tensor) else None
+    return out if shape is None or shape == out.shape else out.reshape(shape)

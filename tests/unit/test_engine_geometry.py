@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 import mtp_hooks
 from mtp_hooks.models import mtp_layer_body
 from mtp_hooks.testing import Batch, TinyGPT, TinyQwen, make_batch
 from mtp_hooks.testing.twins.batches import main_ce_from_logits, masked_mean
+from tests.support.mcore_cpu import needs_packed_mtp
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -161,3 +163,40 @@ def test_what_the_engine_geometry_cannot_train_is_refused(shape: Any, options: d
     assert mtp_hooks.hooks_of(net) is None
     two_layers = TinyGPT(vocab_size=VOCAB, mtp_num_layers=2, position_embedding_type="rope").build(1)
     mtp_hooks.attach(two_layers, draft_steps=3, draft_layers="first", draft_geometry="engine").remove()  # layer 1 drafts all
+
+
+@needs_packed_mtp
+@pytest.mark.parametrize("inputs", ["labels", "argmax"])
+def test_packed_sequences_draft_as_each_sequence_alone(inputs: str) -> None:
+    """THD with padding: step 1's cache stops at each sequence's start, and the rotary positions restart there. Two
+    sequences of 6 tokens, each padded to 8, packed, against the same two as rows of an unpacked batch."""
+    length, padded, steps = 6, 8, 3
+    rows = make_batch(VOCAB, batch=2, seq=length, seed=5)
+    assert rows.loss_mask is not None
+
+    def padded_rows(t: Tensor, fill: float) -> Tensor:
+        return torch.cat([t, torch.full((2, padded - length), fill, dtype=t.dtype)], 1).reshape(1, -1)
+
+    packed = Batch(padded_rows(rows.input_ids, 0), torch.arange(padded).repeat(2)[None], padded_rows(rows.labels, 0),
+                   padded_rows(rows.loss_mask, 0))
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=torch.tensor([0, 6, 12], dtype=torch.int32),
+        cu_seqlens_kv=torch.tensor([0, 6, 12], dtype=torch.int32),
+        cu_seqlens_q_padded=torch.tensor([0, 8, 16], dtype=torch.int32),
+        cu_seqlens_kv_padded=torch.tensor([0, 8, 16], dtype=torch.int32), max_seqlen_q=8, max_seqlen_kv=8,
+    )
+    runs = []
+    for batch, extra in ((rows, {}), (packed, {"packed_seq_params": params})):
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        net = model()
+        with mtp_hooks.attached(net, draft_steps=steps, draft_geometry="engine", draft_inputs=inputs) as hooks:
+            with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
+                logits = net(*batch.model_args, **extra)
+            masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+            runs.append((hooks.metrics(), grads(net)))
+    (metrics, expected), (packed_metrics, got) = runs
+    for j in range(1, steps + 1):
+        assert packed_metrics[f"mtp_{j}/tokens"] == metrics[f"mtp_{j}/tokens"]
+        assert packed_metrics[f"mtp_{j}/loss"] == pytest.approx(metrics[f"mtp_{j}/loss"], rel=1e-5), j
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
