@@ -26,7 +26,8 @@ from mtp_hooks.checks import Validate
 from mtp_hooks.errors import MTPHooksError
 from mtp_hooks.handle import MTPHooks
 from mtp_hooks.models import STATE_KEY, find_language_model
-from mtp_hooks.options import AcceptRule, DraftGeometry, DraftInputs, DraftLayers, LossImpl, MTPInput, Objective
+from mtp_hooks.options import AcceptRule, DraftGeometry, DraftInputs, DraftLayers, DraftRecycle, LossImpl, MTPInput
+from mtp_hooks.options import Objective
 from mtp_hooks.options import Options, Output
 from mtp_hooks.options import StepWeights
 from mtp_hooks.profiles import EngineProfile, merged_options
@@ -49,6 +50,7 @@ def attach(
     draft_inputs: DraftInputs = "labels",
     draft_layers: DraftLayers = "per_step",
     draft_geometry: DraftGeometry = "chain",
+    draft_recycle: DraftRecycle = "normed",
     draft_step_weights: Optional[StepWeights] = None,
     mtp_input: MTPInput = "decoder_output",
     output: Output = "logits",
@@ -126,13 +128,17 @@ def attach(
             ``"per_step"`` (step j <= N is layer j, steps past N reuse the last layer: mcore's
             depths, SGLang's multi-layer drafter) or ``"first"`` (layer 1 for every step, each
             on the previous step's output: vLLM 0.32's MTP proposer, which never runs layers
-            2..N). With ``"first"`` and N >= 2 the block still runs layers 2..N (mcore's block
-            calls every layer), their outputs are dropped and they get no gradient; train an
-            N = 1 model for vLLM to spend nothing on them.
+            2..N) or ``"cyclic"`` (step j is layer ((j - 1) mod N) + 1, each over its own states:
+            vLLM 0.34's model runner V2 with N >= 2). With ``"first"`` and N >= 2 the block still
+            runs layers 2..N (mcore's block calls every layer), their outputs are dropped and they
+            get no gradient; train an N = 1 model for vLLM to spend nothing on them.
         draft_geometry: what steps 2..k attend over: ``"chain"`` (default; each step over its own states at every
             position, mcore's depth geometry) or ``"engine"`` (as an engine reusing one MTP layer drafts: from each
             start p, step 1's cached states up to p and the start's own steps 2..j; rotary positions advanced by
             j - 1), for every start at once (``features.engine_geometry``). Needs one layer drafting every step.
+        draft_recycle: what step j + 1 reads of step j: ``"normed"`` (default; its output after the MTP layer's
+            final norm, as mcore and most engines hand it on) or ``"unnormed"`` (before that norm, as vLLM 0.32 /
+            0.33's GLM-4.5 drafter does); the head reads the normed output either way.
         draft_step_weights: each draft step's loss multiplied by a weight: a sequence of one weight
             >= 0 per step (``draft_steps``, or the model's N layers), or a decay ``beta`` > 0 (step j
             weighs ``beta ** (j - 1)``, e.g. 0.6). ``None`` (default): all 1, stock's even split. Step j's
@@ -161,8 +167,8 @@ def attach(
             ``micro_batch(loss_scale=)``.
         engine: the rollout engine the draft is for (``mtp_hooks.profiles.vllm("0.32", family, k)``, ``sglang``,
             ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
-            ``mtp_input`` and ``draft_geometry`` as that engine drafts; one of them also given with another value
-            is refused. ``predict_engine_acceptance`` takes the same profile.
+            ``mtp_input``, ``draft_geometry`` and ``draft_recycle`` as that engine drafts; one of them also given
+            with another value is refused. ``predict_engine_acceptance`` takes the same profile.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).

@@ -92,11 +92,12 @@ class MTPHooks:
 
     def draft_plan(self) -> tuple[int, ...]:
         """Which MTP layer (an index into ``model.mtp.layers``) runs each draft step 1..k of a training forward:
-        layer 0 for every step with ``draft_layers="first"`` (vLLM), else the block's layer of depth j for step j
-        (``"per_step"``; mcore, SGLang: layer j - 1, or the one module that serves every depth) and the last one
-        for the steps past the block's."""
+        layer 0 for every step with ``draft_layers="first"`` (vLLM 0.32), else the block's layer of depth j for step j
+        (mcore, SGLang: layer j - 1, or the one module that serves every depth) and for the steps past the block's
+        the last one (``"per_step"``) or layer (j - 1) mod N (``"cyclic"``: vLLM 0.34)."""
         plan = self._live("draft_plan").plan
-        return tuple(min(depth, plan.layer) for depth in range(plan.kept)) + (plan.layer,) * plan.reruns
+        block = tuple(min(depth, plan.layer) for depth in range(plan.kept))
+        return block + tuple(map(plan.rerun_index, range(plan.reruns)))
 
     def micro_batch(
         self, labels: Tensor, loss_mask: Optional[Tensor] = None, *, loss_scale: Any = None

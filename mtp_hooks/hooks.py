@@ -97,12 +97,12 @@ class ForwardHooks:
         if model.mtp_process:
             handles.append(keep(model.mtp.register_forward_hook(self.on_mtp_block_post), "mtp"))
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
-            if options.detach_encoder or options.feeds_drafts or mtp_input.wanted(options):
-                for layer in self.plan.step_layers(model.mtp.layers):
-                    handles.append(layer.register_forward_pre_hook(self.on_mtp_layer_pre, with_kwargs=True))
-            norm = mtp_input.final_norm(model)
-            if mtp_input.wanted(options) and norm is not None and model.post_process:
-                handles.append(norm.register_forward_pre_hook(self.on_final_norm_pre, with_kwargs=True))
+            step_layers, pre = self.plan.step_layers(model.mtp.layers), self.on_mtp_layer_pre
+            if options.detach_encoder or options.feeds_drafts or mtp_input.layer_keywords(options):
+                handles.extend(layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in step_layers)
+            for norm, field in mtp_input.norms(options, model, step_layers):
+                keep_input = functools.partial(self.on_norm_pre, field)
+                handles.append(norm.register_forward_pre_hook(keep_input, with_kwargs=True))
             if self.plan.changes_block:  # the chain rebuilds the block's output: record its call of the step layer
                 step_layer = model.mtp.layers[self.plan.layer]
                 recorder = step_layer.register_forward_pre_hook(self.on_step_layer_pre, with_kwargs=True, prepend=True)
@@ -191,19 +191,19 @@ class ForwardHooks:
         fwd = self._forward_here()
         if fwd is None or not fwd.train:
             return None
-        if mtp_input.wanted(self.options):  # what layer 1 reads first: the chain drafts from it, detach cuts it
-            mtp_input.feed_layer(fwd, fwd.before_norm, kwargs)
-        if self.options.feeds_drafts:  # the chain's draft embedding first: detach wraps what it gets
+        if self.options.feeds_drafts:  # the draft from the normed state handed on; detach wraps its embedding
             chain.feed_draft(self.options, fwd, fwd.chain, kwargs)
+        mtp_input.on_layer_pre(self.options, fwd, fwd.before_norm, kwargs)  # the state the step reads: detach cuts it
         if self.options.detach_encoder:
             detach.on_layer_pre(fwd, kwargs, self.options.detach_between_depths)
         fwd.mtp_layer_calls += 1
         return args, kwargs
 
-    def on_final_norm_pre(self, norm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def on_norm_pre(self, field: str, norm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A norm's input that the MTP layers read (``mtp_input.norms``), kept in ``fwd.before_norm.<field>``."""
         fwd = self._forward_here()
         if fwd is not None and fwd.train:
-            mtp_input.keep_norm_input(fwd.before_norm, args, kwargs)
+            mtp_input.keep_norm_input(fwd.before_norm, field, args, kwargs)
         return None
 
     def on_step_attention_post(self, core: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:

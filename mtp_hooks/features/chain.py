@@ -7,8 +7,9 @@ step j - 1 drafted, with that step's output hidden state. The chain here does th
 training forward, with hooks only:
 
 * which layer runs step j (``draft_layers``, ``Plan``): ``"per_step"``, layer j for j <= N and the
-  last layer past N (mcore's depths; SGLang), or ``"first"``, layer 1 for every step (vLLM 0.32,
-  whose proposer never runs layers 2..N): the block's steps run by other layers are dropped;
+  last layer past N (mcore's depths; SGLang), ``"cyclic"``, layer ((j - 1) mod N) + 1 (vLLM 0.34's
+  model runner V2), or ``"first"``, layer 1 for every step (vLLM 0.32, whose proposer never runs
+  layers 2..N): the block's steps run by other layers are dropped;
 * steps past those the block ran: when the MTP block returns, the step layer is called again
   (``extra_steps``), each call with the block's own keyword arguments for that layer and the
   previous call's returned hidden state, ids and positions; the outputs join the block's output,
@@ -93,13 +94,22 @@ class Plan:
     kept: int
     layer: int
     reruns: int
+    cyclic: bool = False  # the reruns cycle through the layers from layer 1 (else all run ``layer``)
 
     @classmethod
     def of(cls, steps: int, config: Any, layer_modules: int, draft_layers: str) -> Plan:
         n = config.mtp_num_layers
         if draft_layers == "first" and layer_modules > 1:  # one module serving every depth is "first" already
             return cls(n, 1, 0, steps - 1)
-        return cls(n, n, layer_modules - 1, max(steps - n, 0))
+        return cls(n, n, layer_modules - 1, max(steps - n, 0), draft_layers == "cyclic" and layer_modules > 1)
+
+    def rerun_index(self, i: int) -> int:
+        """The layer (an index into the block's layers) of the ``i``-th call after the block's, step ``kept + i + 1``:
+        ``(kept + i) mod N`` when cyclic, else the step layer."""
+        return (self.kept + i) % (self.layer + 1) if self.cyclic else self.layer
+
+    def rerun_layers(self, layers: Sequence[nn.Module]) -> list[nn.Module]:
+        return [layers[self.rerun_index(i)] for i in range(self.reruns)]
 
     @property
     def changes_block(self) -> bool:
@@ -132,7 +142,7 @@ def extend(
         raise AssertionError("mtp_hooks: the MTP block returned without a call of its step layer")
     kwargs, last = chain.step_layer_kwargs, chain.step_layer_output
     kept = [output] if plan.kept == plan.block_steps else [kwargs["hidden_states"], last[0]]
-    return torch.cat([*kept, *extra_steps(block.layers[plan.layer], kwargs, last, plan.reruns, engine)])
+    return torch.cat([*kept, *extra_steps(plan.rerun_layers(block.layers), kwargs, last, engine)])
 
 
 def feed_draft(options: Options, forward: Forward, chain: ChainCall, kwargs: dict[str, Any]) -> None:
@@ -171,14 +181,14 @@ def step_drafts(head: Head, hidden: Tensor, temperature: Optional[float]) -> Ten
 
 
 def extra_steps(
-    layer: nn.Module, kwargs: dict[str, Any], output: Any, count: int, engine: Optional[EngineSteps] = None
+    layers: Sequence[nn.Module], kwargs: dict[str, Any], output: Any, engine: Optional[EngineSteps] = None
 ) -> list[Tensor]:
-    """Call the last MTP ``layer`` ``count`` more times, each on the previous call's ``output``
-    ``(hidden, input_ids, position_ids[, padding_mask])`` with the block's ``kwargs`` for it; with ``engine``
-    (``draft_geometry="engine"``) each call is step j of it: rotary advanced, attention over step 1's cache."""
+    """Call each of ``layers`` in turn, each on the previous call's ``output`` ``(hidden, input_ids,
+    position_ids[, padding_mask])`` with the block's ``kwargs`` for it; with ``engine`` (``draft_geometry="engine"``)
+    each call is step j of it: rotary advanced, attention over step 1's cache."""
     hidden_states = []
     try:
-        for i in range(count):
+        for i, layer in enumerate(layers):
             call = dict(kwargs, hidden_states=output[0], input_ids=output[1], position_ids=output[2])
             if len(output) > 3:
                 call["padding_mask"] = output[3]

@@ -20,8 +20,8 @@ two agree only while the final norm's weight is uniform.
 ``geometry``: ``"chain"`` runs steps 2..k as the hooks' chain does (each over the whole sequence);
 ``"engine"`` as vLLM's proposer does (``engine_steps``: one token at a time over step 1's states).
 ``recycle``: what step j + 1 reads of step j there (``engine_steps.RECYCLES``): ``"normed"`` (mcore's, and
-vLLM's DeepSeek-V3 drafter's) or ``"unnormed"`` (vLLM 0.32 / 0.33's GLM-4.5 drafter); the chain recycles
-the normed state.
+vLLM's DeepSeek-V3 drafter's) or ``"unnormed"`` (vLLM 0.32 / 0.33's GLM-4.5 drafter); in the chain geometry
+it is the hooks' own ``draft_recycle``.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def _block_steps(plan: Sequence[int], depths: int, modules: int) -> int:
 def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None:
     if recycle not in RECYCLES:
         raise ValueError(f"recycle: expected one of {RECYCLES}, received {recycle!r}")
-    if recycle != "normed" and geometry != "engine":
-        raise ValueError(f"recycle={recycle!r} is replayed in the engine's geometry: expected geometry='engine', "
-                         f"received {geometry!r} (the hooks' chain hands each step the normed state)")
+    if geometry == "chain" and recycle != hooks.options.draft_recycle:
+        raise ValueError(f"recycle: the chain geometry replays the hooks' own steps, which recycle "
+                         f"{hooks.options.draft_recycle!r} (attach(draft_recycle=)): expected that, received {recycle!r}")
     if mtp_input not in MTP_INPUTS:
         raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
     if geometry not in GEOMETRIES:

@@ -222,3 +222,23 @@ def test_the_comparison_catches_engine_steps_trained_in_the_chain_geometry() -> 
     with pytest.raises(AssertionError, match="MTP losses"):
         parity.compare(case, hooked, stock, reference)
     assert hooked.metrics[0][0] == pytest.approx(stock.mtp[0][0], rel=1e-6)  # step 1 is the same in both
+
+
+@pytest.mark.parametrize(
+    ("chain", "other"),
+    [
+        ("cyclic_k3_argmax", {"draft_layers": "per_step"}),  # step 3 by layer 2 again, not layer 1
+        ("k3_unnormed", {"draft_recycle": "normed"}),
+        ("engine_first_k3_argmax_unnormed", {"draft_recycle": "normed"}),
+    ],
+    ids=["cyclic_as_per_step", "unnormed_as_normed", "engine_unnormed_as_normed"],
+)
+def test_the_comparison_catches_a_step_run_by_another_layer_or_fed_another_state(chain: str, other: dict[str, Any]) -> None:
+    """The cyclic and unnormed-recycle references are not the per-step or normed chains: a hooked twin with the other
+    value fails against them."""
+    case = Case(chain=chain)
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    hooked, _, _ = parity.run_twins(case, hooked_options=other)
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="MTP losses|differs"):
+        parity.compare(case, hooked, stock, reference)

@@ -49,7 +49,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
 from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
 from tests.support.stock_engine_geometry import stock_engine_steps
-from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, ENGINE, PRE_NORM, STEP_WEIGHTS, gather_vocab, stock_chain, stock_detaches, step_weights
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, ENGINE, PRE_NORM, STEP_WEIGHTS, UNNORMED, gather_vocab, stock_chain, stock_detaches, step_weights
 from tests.support.parity_acceptance import ACCEPT, FORBIDDEN_ACCEPT, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 
 VOCAB = 64
@@ -70,7 +70,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
     "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay", "pre_norm",
-              "first_k2_argmax_pre_norm", *ENGINE),
+              "first_k2_argmax_pre_norm", "cyclic_k3_argmax", "k3_unnormed", *ENGINE),
     "accept": tuple(ACCEPT),
 }
 # The value pairs no case can have, left out of the covering sets: an acceptance rule with the dense loss path
@@ -136,6 +136,8 @@ class Case:
             options.update(mtp_input="pre_final_norm")
         if self.chain in ENGINE:
             options.update(draft_geometry="engine")
+        if self.chain in UNNORMED:
+            options.update(draft_recycle="unnormed")
         options.update(accept_options(self.accept))
         return options
 
@@ -167,6 +169,8 @@ class Case:
         steps, inputs, draft_layers = CHAIN[self.chain]
         if self.chain in PRE_NORM:
             parts.append("MTP layer 1's first call per forward reads the decoder's final norm input (a stock pre-hook)")
+        if self.chain in UNNORMED:
+            parts.append("every later step reads the previous step's output before the MTP layer's final norm (stock pre-hooks)")
         if self.chain in STEP_WEIGHTS:
             parts.append(f"step weights {step_weights(self.chain)}: stock's i-th MTPLossAutoScaler.apply of a forward hangs w_i x its loss")
         if self.chain in ENGINE:
@@ -183,9 +187,10 @@ class Case:
                 + (", every later step embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
             )
         elif steps is not None:
+            rerun = "layers 1, 2, ... in turn" if draft_layers == "cyclic" else "the last layer"
             parts.append(
                 f"the chain on stock: mcore's own {steps}-depth MTP loss (config.mtp_num_layers = {steps})"
-                + (f", the last layer called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")
+                + (f", {rerun} called {steps - DEPTH} more times on the block's arguments" if steps > DEPTH else "")
                 + (", every later layer call embedding the argmax of the full (gathered) logits of its input" if inputs == "argmax" else "")
             )
         if self.accept != "off":

@@ -3,8 +3,9 @@
 Test-only support for the parity matrix (``stock_references.stock_chain``). The hooked option replaces the step
 layer's core attention output for steps 2..k; this reference takes another road through mcore's own modules, as
 EAGLE-3's training-time test does: step j is a call of the step layer's own ``forward`` over a sequence of ``j * s``
-tokens, the concatenation of step 1's inputs and steps 2..j's (step i's hidden input is step i - 1's output; its
-token the data's, rolled i times, or the argmax of the full logits on step i - 1's output), with
+tokens, the concatenation of step 1's inputs and steps 2..j's (step i's hidden input is step i - 1's output, before
+its final norm with ``draft_recycle="unnormed"``; its token the data's, rolled i times, or the argmax of the full
+logits on step i - 1's normed output), with
 
 * an attention mask where step i's token at start p sees step 1's tokens at positions <= p and steps 2..i's tokens
   at p only (mcore's own softmax honours a given mask; the layer's causal type only fills in a missing one);
@@ -26,7 +27,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
-from tests.support.stock_references import CHAIN, DEPTH, ENGINE, dense_drafts, removed_on_exit
+from tests.support.stock_references import CHAIN, DEPTH, ENGINE, UNNORMED, dense_drafts, removed_on_exit
 
 
 def _chunks(model: nn.Module) -> int:
@@ -82,15 +83,18 @@ def stock_engine_steps(model: nn.Module, chain: str) -> Iterator[None]:
     def record_output(module: nn.Module, args: Any, output: Any) -> None:
         seen.setdefault("output", output)
 
+    def record_unnormed(norm: nn.Module, args: tuple[Any, ...]) -> None:  # each call's output before its final norm
+        seen.setdefault("unnormed", []).append(args[0])
+
     def extend(block: nn.Module, args: Any, output: Tensor) -> Tensor:
         kwargs, first = seen["kwargs"], seen["output"]
         ids = kwargs["input_ids"]
         s = ids.shape[1]
         rotary = model.rotary_pos_emb(s + steps)
-        hiddens, tokens, outs = [seen["hidden"]], [_rolled(ids, 1)], [first[0]]
+        hiddens, tokens, outs, unnormed = [seen["hidden"]], [_rolled(ids, 1)], [first[0]], [seen["unnormed"][0]]
         for j in range(2, steps + 1):
             previous = outs[-1]
-            hiddens.append(previous)
+            hiddens.append(unnormed[-1] if chain in UNNORMED else previous)  # the draft: from the normed one
             tokens.append(dense_drafts(model, previous) if inputs == "argmax" else _rolled(ids, j))
             part, position = joined_layout(j, s, _chunks(model))
             joined = torch.stack(tokens)[part, :, position].t()  # [b, j * s] in the joined layout
@@ -102,8 +106,9 @@ def stock_engine_steps(model: nn.Module, chain: str) -> Iterator[None]:
                 attention_mask=engine_mask(part, position),
                 rotary_pos_emb=rotary[position + part],
             )
-            out = layer(**call)[0]
-            outs.append(out[(j - 1) * previous.shape[0]:])
+            out, local = layer(**call)[0], previous.shape[0]
+            outs.append(out[(j - 1) * local:])
+            unnormed.append(seen["unnormed"][-1][(j - 1) * local:])
         config.mtp_num_layers = steps
         return torch.cat([*list(torch.chunk(output, 1 + DEPTH))[:2], *outs[1:]])
 
@@ -115,6 +120,7 @@ def stock_engine_steps(model: nn.Module, chain: str) -> Iterator[None]:
         layer.register_forward_pre_hook(record, with_kwargs=True, prepend=True),
         layer.hnorm.register_forward_pre_hook(record_hidden),
         layer.register_forward_hook(record_output),
+        layer.final_layernorm.register_forward_pre_hook(record_unnormed),
         model.mtp.register_forward_pre_hook(layers_only),
         model.mtp.register_forward_hook(extend),
         model.register_forward_hook(layers_only, always_call=True),

@@ -36,6 +36,9 @@ CHAIN: dict[str, tuple[Optional[int], str, str]] = {
     "first_k2_argmax_pre_norm": (2, "argmax", "first"),
     "engine_first_k3": (3, "labels", "first"),
     "engine_first_k2_argmax_decay": (2, "argmax", "first"),
+    "cyclic_k3_argmax": (3, "argmax", "cyclic"),
+    "k3_unnormed": (3, "labels", "per_step"),
+    "engine_first_k3_argmax_unnormed": (3, "argmax", "first"),
 }
 DEPTH = 2
 # ``draft_step_weights`` of the chain values that set one: per-step weights, or a decay.
@@ -44,7 +47,9 @@ STEP_WEIGHTS: dict[str, Any] = {"weighted": (0.25, 1.75), "k3_argmax_decay": 0.6
 PRE_NORM = ("pre_norm", "first_k2_argmax_pre_norm")
 # The chain values trained in the engine's geometry (``draft_geometry="engine"``; ``stock_engine_geometry``), on
 # twins with rotary positions (the geometry refuses learned absolute ones).
-ENGINE = ("engine_first_k3", "engine_first_k2_argmax_decay")
+ENGINE = ("engine_first_k3", "engine_first_k2_argmax_decay", "engine_first_k3_argmax_unnormed")
+# The chain values whose step j + 1 reads step j's output before its final norm (``draft_recycle="unnormed"``).
+UNNORMED = ("k3_unnormed", "engine_first_k3_argmax_unnormed")
 
 
 def step_weights(chain: str) -> Optional[list[float]]:
@@ -117,7 +122,38 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
     """The draft chain (``stock_steps``), its step weights (``stock_step_weights``) and MTP layer 1's input
     (``stock_pre_norm_input``) on stock mcore."""
-    with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain):
+    with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain), stock_recycle(model, chain):
+        yield
+
+
+@contextlib.contextmanager
+def stock_recycle(model: nn.Module, chain: str) -> Iterator[None]:
+    """``draft_recycle="unnormed"`` on stock mcore (the chain geometry; ``stock_engine_geometry`` does its own): every
+    step-layer call after a forward's first reads the previous step call's final norm input, by a pre-hook run after
+    the chain's own (an own draft is chosen from the normed state) and before the detach references'."""
+    if chain not in UNNORMED or chain in ENGINE:
+        yield
+        return
+    steps, _, draft_layers = CHAIN[chain]
+    layers = list(model.mtp.layers)[:1] if draft_layers == "first" else list(model.mtp.layers)
+    seen: dict[str, Any] = {}
+
+    def start(*_: Any) -> None:
+        seen.clear()
+
+    def keep(norm: nn.Module, args: tuple[Any, ...]) -> None:
+        seen["unnormed"] = args[0]
+
+    def swap(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if "unnormed" in seen:
+            kwargs["hidden_states"] = seen["unnormed"]
+        return args, kwargs
+
+    handles = [model.register_forward_pre_hook(start)]
+    for layer in layers:
+        handles.append(layer.final_layernorm.register_forward_pre_hook(keep))
+        handles.append(layer.register_forward_pre_hook(swap, with_kwargs=True))
+    with removed_on_exit(handles):
         yield
 
 
@@ -212,8 +248,9 @@ def stock_steps(model: nn.Module, chain: str) -> Iterator[None]:
 
     def extend(block: nn.Module, args: Any, output: Tensor) -> Tensor:
         kwargs, out, extra = captured["kwargs"], captured["output"], []
-        for _ in range(steps - kept):
-            out = step_layer(**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
+        for i in range(steps - kept):  # "cyclic": step kept + i + 1 runs layer (kept + i) mod N + 1
+            layer = layers[(kept + i) % DEPTH] if draft_layers == "cyclic" else step_layer
+            out = layer(**dict(kwargs, hidden_states=out[0], input_ids=out[1], position_ids=out[2]))
             extra.append(out[0])
         config.mtp_num_layers = steps  # the post-processing's loss over k depths (0.19's block runs mtp_num_layers layers)
         kept_chunks = list(torch.chunk(output, 1 + DEPTH))[: 1 + kept]

@@ -234,9 +234,12 @@ def test_recycle_is_checked() -> None:
     try:
         with pytest.raises(ValueError, match="recycle: expected one of"):
             draft_hits(model, hooks, sequences, prompt=4, geometry="engine", recycle="raw")
-        with pytest.raises(ValueError, match="geometry='engine'"):
+        with pytest.raises(ValueError, match="attach\\(draft_recycle=\\)"):  # the chain replays the hooks' own rule
             draft_hits(model, hooks, sequences, prompt=4, geometry="chain", recycle="unnormed")
     finally:
         hooks.remove()
+    with mtp_hooks.attached(model, draft_steps=2, draft_recycle="unnormed", **RULE) as hooks:
+        hits, _ = draft_hits(model, hooks, sequences, prompt=4, geometry="chain", recycle="unnormed")
+        assert hits.shape[0] == 2
     with pytest.raises(ValueError, match="step1_unnormed"):
         engine_step_drafts(model, torch.zeros(4, 1, em.HIDDEN), torch.zeros(4, 1, em.HIDDEN), 2, 1, recycle="unnormed")

@@ -32,13 +32,14 @@ def test_vllm_0_32_drafts_with_layer_1_in_its_cache_geometry_and_each_familys_in
     assert profile.attach_options() == dict(
         draft_steps=3, draft_layers="first", draft_inputs="argmax", accept_rule="argmax", mtp_input=mtp_input,
         draft_geometry="chain" if family == "deepseek_v3" else "engine",  # MLA: not in the engine's geometry yet
+        draft_recycle="unnormed" if family == "glm4_moe" else "normed",
     )
     assert profile.predict_options() == dict(
         mtp_input=mtp_input,
         geometry="engine",
         recycle="unnormed" if family == "glm4_moe" else "normed",
     )
-    assert bool(profile.untrained) == (family != "mimo")  # GLM-4.5's unnormed recycle, MLA's geometry: not yet
+    assert bool(profile.untrained) == (family == "deepseek_v3")  # MLA's geometry: not trained yet
     assert vllm("0.32", family, k=1).draft_geometry == "chain"  # one step: nothing to lay out
     assert vllm("0.34", family, k=3).recycle == "normed"  # 0.34 hands GLM-4.5's normed output on
 
@@ -48,9 +49,18 @@ def test_other_engines_rows() -> None:
     assert sglang("0.5.23", "mimo", 3).predict_options() == dict(mtp_input="decoder_output", geometry="chain", recycle="normed")
     assert megatron("0.19", "mimo", 2).attach_options() == dict(
         draft_steps=2, draft_layers="per_step", draft_inputs="sample", accept_rule="match", mtp_input="decoder_output",
-        draft_geometry="chain",
+        draft_geometry="chain", draft_recycle="normed",
     )
     assert vllm("0.32", "mimo", 1).untrained == ()  # one step: nothing the training does not reproduce
+
+
+def test_vllm_0_34_with_two_mtp_layers_cycles_them_each_over_its_own_cache() -> None:
+    profile = vllm("0.34", "glm4_moe", 3, mtp_layers=2)
+    assert profile.attach_options()["draft_layers"] == "cyclic" and profile.draft_geometry == "chain"
+    assert profile.predict_options() == dict(mtp_input="decoder_output", geometry="chain", recycle="normed")
+    assert profile.untrained == ()
+    assert vllm("0.34", "glm4_moe", 1, mtp_layers=2).draft_layers == "first"  # one step: layer 1 alone
+    assert vllm("0.34", "glm4_moe", 3).draft_layers == "first"  # one layer: the 0.32 schedule
 
 
 @pytest.mark.parametrize(
@@ -60,7 +70,7 @@ def test_other_engines_rows() -> None:
         (lambda: vllm("0.32", "llama", 2), "family"),
         (lambda: vllm("0.32", "mimo", 0), "k"),
         (lambda: vllm("0.32", "mimo", True), "k"),
-        (lambda: vllm("0.34", "glm4_moe", 2, mtp_layers=2), "mtp_layers"),  # cyclic layers: not trained yet
+        (lambda: vllm("0.34", "glm4_moe", 2, mtp_layers=0), "mtp_layers"),
         (lambda: sglang("0.5.22", "mimo", 2), "version"),
         (lambda: megatron("0.18", "mimo", 2), "version"),
     ],
