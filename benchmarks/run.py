@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size).*")
 
-from benchmarks import headlines, loss_shapes, models, plot, tables, verdicts  # noqa: E402
+from benchmarks import engine_geometry, headlines, loss_shapes, models, plot, tables, verdicts  # noqa: E402
 from benchmarks.configs import CONFIGS, Config  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.shape_run import run_shape  # noqa: E402
@@ -66,9 +66,10 @@ def measure(config: Config, names: list[str], log: Any = sys.stderr, partial: Op
         for vocab, tokens, hidden in config.loss_shapes:
             losses.append(loss_shapes.measure(vocab, tokens, hidden, config.rounds, log=log))
             print(f"loss alone V={vocab:,} tokens={tokens:,} done at {time.perf_counter() - started:.0f} s", file=log, flush=True)
+        geometry = engine_geometry.measure(config, log)
         env["load_end"] = list(os.getloadavg())
     return {"config": config.name, "env": env, "variants": names, "refused": refused, "points": points,
-            "loss_shapes": losses, "seconds": time.perf_counter() - started, "complete": True}
+            "loss_shapes": losses, "engine_geometry": geometry, "seconds": time.perf_counter() - started, "complete": True}
 
 
 # Exact goals that hold at every shape; ``--check`` fails the run when one is missed. The memory goal
@@ -165,6 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     markdown_text = tables.markdown(config, result, plot_name=png.name)
     if result["loss_shapes"]:
         markdown_text += "\n" + loss_shapes.markdown(result["loss_shapes"])
+    if raw.get("engine_geometry"):
+        markdown_text += "\n" + engine_geometry.markdown(raw["engine_geometry"])
     (out_dir / "results.md").write_text(markdown_text)
     with open(out_dir / "results.json", "w") as out:
         json.dump({"summary": result, "raw": raw}, out, indent=1)

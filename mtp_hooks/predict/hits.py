@@ -63,7 +63,8 @@ def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None
         raise ValueError(f"recycle: expected one of {RECYCLES}, received {recycle!r}")
     if geometry == "chain" and recycle != hooks.options.draft_recycle:
         raise ValueError(f"recycle: the chain geometry replays the hooks' own steps, which recycle "
-                         f"{hooks.options.draft_recycle!r} (attach(draft_recycle=)): expected that, received {recycle!r}")
+                         f"{hooks.options.draft_recycle!r} (attach(draft_recycle=)): expected that, "
+                         f"received {recycle!r}")
     if mtp_input not in MTP_INPUTS:
         raise ValueError(f"mtp_input: expected one of {MTP_INPUTS}, received {mtp_input!r}")
     if geometry not in GEOMETRIES:
