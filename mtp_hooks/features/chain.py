@@ -196,6 +196,8 @@ def extra_steps(
                 engine.step = i + 2
                 engine_geometry.shifted_rotary(call, i + 1)
             output = layer(**call)
+            if engine is not None:
+                engine_geometry.check_step_ran(engine, i + 2)
             hidden_states.append(output[0])
     finally:
         if engine is not None:

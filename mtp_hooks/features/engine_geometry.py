@@ -19,7 +19,7 @@ In packed THD sequences (``[t, heads, d]`` with ``packed_seq_params``) step 1's 
 
 Refused at ``attach`` (``check``) where that cannot be honoured: a step served by another layer than step 1's,
 learned absolute positions or MLA (whose rotary lives inside the attention), context parallelism, activation
-recompute, attention dropout, and a softmax other than the plain one.
+recompute, attention dropout, and a softmax other than the plain one; a ``torch.compile``'d forward at the forward.
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ def check(model: nn.Module, plan: Any, steps: int) -> None:
     softmax = getattr(config, "softmax_type", "vanilla")
     if softmax != "vanilla":
         refuse("the plain softmax", f"config.softmax_type = {softmax!r}")
+
+
+def check_step_ran(steps: EngineSteps, step: int) -> None:
+    """After step ``step``'s call: its attention ran in the engine's geometry (it added its keys). In a
+    ``torch.compile``'d forward the core attention's forward hook does not run for the steps the chain adds (the
+    backend's own attention would stand), so that is refused, never trained silently in another geometry."""
+    if len(steps.keys) != step:
+        raise bad_argument("draft_geometry", "'engine' in an eager forward, or 'chain' (in a torch.compile'd forward "
+                           "the engine geometry's attention hook does not run)",
+                           f"step {step} ran without it ({len(steps.keys)} of {step} steps' keys kept)")
 
 
 def core_attention(body: nn.Module) -> nn.Module:

@@ -1,7 +1,8 @@
 """``torch.compile`` of a hooked model: the compiled forward trains like the eager one.
 
 Dynamo traces the hooks and the proxies they hand mcore (the chain's ``DraftEmbedding``, detach's
-``DetachedEmbedding``). Compiled with the ``eager`` and ``aot_eager`` backends, a training
+``DetachedEmbedding``) and the unnormed recycle's swap. The engine geometry refuses a compiled forward: the core
+attention's forward hook it needs does not run for the steps the chain adds there. Compiled with the ``eager`` and ``aot_eager`` backends, a training
 micro-batch gives the logits, MTP metrics and every gradient of the same hooked model run eagerly.
 The compiled runs happen in a spawned process: Dynamo's caches outlive ``torch._dynamo.reset()``
 and are freed later, which other tests' live-tensor counts would see.
@@ -22,10 +23,15 @@ VOCAB = 64
 OWN_DRAFTS = {"draft_steps": 3, "draft_inputs": "argmax", "agreement_metrics": True}
 TEACHER_FORCED = {"draft_steps": 3, "detach_encoder": True}
 SAMPLED = {"draft_steps": 3, "draft_inputs": "sample", "draft_temperature": 0.7}
+# vLLM's proposer for GLM-4.5: layer 1 for every step, own drafts, the unnormed recycle; in the engine geometry
+# (rotary model) refused in a compiled forward.
+UNNORMED = {"draft_steps": 3, "draft_layers": "first", "draft_inputs": "argmax", "draft_recycle": "unnormed"}
+ENGINE = {**UNNORMED, "draft_geometry": "engine"}
 
 
 def _step(options: dict[str, Any], backend: Optional[str]) -> tuple[torch.nn.Module, torch.Tensor, dict[str, float]]:
-    model = TinyGPT(vocab_size=VOCAB).build()
+    position = "rope" if options.get("draft_geometry") == "engine" else "learned_absolute"
+    model = TinyGPT(vocab_size=VOCAB, position_embedding_type=position).build()
     hooks = mtp_hooks.attach(model, **options)
     run = model if backend is None else torch.compile(model, backend=backend)
     batch = make_batch(VOCAB, batch=2, seq=8)
@@ -59,8 +65,9 @@ def process() -> Iterator[SpawnedGroup]:
 
 @pytest.mark.parametrize(
     "options, backend",
-    [(OWN_DRAFTS, "eager"), (OWN_DRAFTS, "aot_eager"), (TEACHER_FORCED, "aot_eager")],
-    ids=["own_argmax_drafts-eager", "own_argmax_drafts-aot_eager", "teacher_forced_detached-aot_eager"],
+    [(OWN_DRAFTS, "eager"), (OWN_DRAFTS, "aot_eager"), (TEACHER_FORCED, "aot_eager"), (UNNORMED, "aot_eager")],
+    ids=["own_argmax_drafts-eager", "own_argmax_drafts-aot_eager", "teacher_forced_detached-aot_eager",
+         "first_unnormed_argmax-aot_eager"],
 )
 def test_compiled_hooked_model_trains_like_the_eager_one(process: SpawnedGroup, options: dict[str, Any], backend: str) -> None:
     process.run(scenario_compiled_against_eager, {}, options=options, backend=backend, timeout_s=600.0)
@@ -70,3 +77,15 @@ def test_compiled_sampled_drafts_train(process: SpawnedGroup) -> None:
     """Sampled drafts draw from the default generator inside the compiled forward."""
     (metrics,) = process.run(scenario_compiled_metrics, {}, options=SAMPLED, backend="aot_eager", timeout_s=600.0)
     assert sorted(k for k in metrics if k.endswith("/loss")) == ["mtp_1/loss", "mtp_2/loss", "mtp_3/loss"]
+
+
+def scenario_compiled_engine_geometry(backend: str) -> str:
+    torch._dynamo.reset()
+    with pytest.raises(mtp_hooks.MTPHooksError, match="torch.compile'd forward") as refused:
+        _step(ENGINE, backend)
+    return str(refused.value)
+
+
+def test_the_engine_geometry_refuses_a_compiled_forward(process: SpawnedGroup) -> None:
+    (message,) = process.run(scenario_compiled_engine_geometry, {}, backend="aot_eager", timeout_s=600.0)
+    assert message.startswith("draft_geometry: bad value")
