@@ -12,7 +12,9 @@ The variants train for a greedy (T = 0) vLLM 0.32 engine (``engine_options``): `
 draft_layers="first"``; ``@per_step`` trains the chain on SGLang's schedule instead (layer j runs
 step j), for contrast. ``<objective>+profile`` trains with the engine's profile
 (``attach(engine=mtp_hooks.profiles.vllm("0.32", "mimo", 3))``: vLLM's schedule and rule, MTP layer 1 fed the
-target's state before the final norm as vLLM's MiMo drafter reads it) and step weights decaying by 0.6.
+target's state before the final norm as vLLM's MiMo drafter reads it) and step weights decaying by 0.6;
+``<objective>+profile_tf`` the same with steps 2..k teacher-forced (``draft_inputs="labels"``): the engine counts step
+j's draft only when drafts 1..j - 1 equalled the target's tokens, which on the target's own text are the data's.
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def engine_options(name: str, steps: int) -> dict[str, Any]:
     (``frozen``: those of ``ce``, never stepped). ``<objective>+chain[@first|@per_step]``: a chain of
     ``steps`` steps on its own argmax drafts, layer 1 for every step unless ``@per_step``."""
     base, _, layers = name.partition("@")
-    if base.endswith("+profile") and not layers:  # the engine's profile, vLLM 0.32's MiMo drafter, steps decaying
-        objective = base.removesuffix("+profile")
+    if base.endswith(("+profile", "+profile_tf")) and not layers:  # vLLM 0.32's MiMo drafter, steps decaying
+        objective, _, kind = base.partition("+")
         profile = vllm("0.32", "mimo", steps)
-        return dict(detach_encoder=True, detach_head=True, objective=objective, agreement_metrics=True,
-                    draft_temperature=0.0, draft_step_weights=PROFILE_STEP_DECAY, engine=profile)
+        common = dict(detach_encoder=True, detach_head=True, objective=objective, agreement_metrics=True,
+                      draft_temperature=0.0, draft_step_weights=PROFILE_STEP_DECAY)
+        if kind == "profile":
+            return dict(common, engine=profile)
+        # The profile's schedule, geometry and inputs, but steps 2..k fed the data's tokens: where the engine's later
+        # drafts count (every earlier one accepted), its draft tokens are the target's own.
+        return dict(common, **{**profile.attach_options(), "draft_inputs": "labels"})
     objective, inputs = parse_variant(base)
     if layers and (inputs is None or layers not in DRAFT_LAYERS):
         raise ValueError(f"variant {name!r}: '@{layers}' needs a chain variant and one of {DRAFT_LAYERS}")

@@ -24,8 +24,10 @@ CODE_VARIANTS = WORD_VARIANTS + ("accept",)
 CHAIN_VARIANTS = ("frozen", "ce", "ce+tf", "ce+chain", "accept", "accept+chain")
 # Measured by vLLM (``--engine vllm``, ``benchmarks.acceptance.engine_run``): trained under the engine's rule and, for
 # the chains, its schedule (``@per_step``: SGLang's, for contrast).
-# ``+profile``: trained with the engine's profile (``mtp_hooks.profiles``) and decaying step weights.
-ENGINE_VARIANTS = ("frozen", "ce", "accept", "ce+chain", "accept+chain", "accept+chain@per_step", "accept+profile")
+# ``+profile``: trained with the engine's profile (``mtp_hooks.profiles``) and decaying step weights; ``+profile_tf``: the
+# same with steps 2..k fed the data's tokens (where a later draft counts, every earlier one equalled the target's token).
+ENGINE_VARIANTS = ("frozen", "ce", "accept", "ce+chain", "accept+chain", "accept+chain@per_step", "accept+profile",
+                   "accept+profile_tf")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,9 @@ def test_variants_train_under_the_engines_rule_and_schedule() -> None:
     assert "draft_steps" not in engine_options("frozen", 3)
     profiled = engine_options("accept+profile", 3)
     assert profiled["engine"].attach_options()["mtp_input"] == "pre_final_norm" and profiled["draft_step_weights"] == 0.6
+    forced = engine_options("accept+profile_tf", 3)  # the profile's options, steps 2..k fed the data's tokens
+    assert forced == {**{k: v for k, v in profiled.items() if k != "engine"}, **profiled["engine"].attach_options(),
+                      "draft_inputs": "labels"}
     with pytest.raises(ValueError, match="needs a chain variant"):
         engine_options("ce@per_step", 3)
 
