@@ -210,7 +210,7 @@ def check(model: nn.Module, options: Options) -> None:
     it cannot train (``engine_geometry.check``)."""
     language_model = find_language_model(model)
     check_chain(language_model, options.draft_steps, options.draft_inputs, options.draft_layers)
-    if options.draft_geometry == "engine":
+    if options.draft_geometry == "engine" and getattr(language_model, "mtp_process", False):  # the MTP stage's
         steps, modules = options.steps(language_model.config), len(language_model.mtp.layers)
         plan = Plan.of(steps, language_model.config, modules, options.draft_layers)
         engine_geometry.check(language_model, plan, steps)

@@ -3,7 +3,7 @@
 Test-only support for ``tests/distributed/test_parity_pipeline.py``. A ``Case`` is one training setup run through
 mcore's own pipeline schedule: layout, tied or untied heads, the hooks' output mode and loss path,
 the gradient machinery (mcore DDP, gradient-accumulation fusion, ``overlap_grad_reduce``),
-``defer_embedding_wgrad_compute`` and the detach flags. ``pairwise(...)`` picks cases covering every
+``defer_embedding_wgrad_compute``, the detach flags and the draft chain. ``pairwise(...)`` picks cases covering every
 pair of factor values that the constraints allow; ``full`` mode takes the whole product.
 
 ``STOCK_DEFECTS`` lists the knobs under which stock mcore computes wrong gradients itself; a case
@@ -17,6 +17,8 @@ import dataclasses
 import itertools
 from typing import Any, Callable, Optional
 
+from tests.support.stock_references import CHAIN, ENGINE
+
 FACTORS: dict[str, tuple[Any, ...]] = {
     "layout": ("pp2", "pp2_vpp2"),
     "tied": (False, True),
@@ -25,6 +27,8 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "sync": ("ddp", "fusion", "overlap", "fusion_overlap"),
     "defer": (False, True),
     "detach": ("none", "encoder", "head", "both"),
+    # The draft chain: none (mcore's N depths), or k = 3 steps of layer 1 in the engine's geometry (rotary twins).
+    "draft": ("none", "engine_first_k3"),
 }
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -44,6 +48,7 @@ class Knobs:
     overlap: bool
     defer: bool
     mtp_factor: Optional[float] = None  # None: the model's own; 0.0: the main loss's gradients only
+    draft: str = "none"  # the chain value of ``stock_references.CHAIN`` stock applies on the last stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +60,14 @@ class Case:
     sync: str = "ddp"
     defer: bool = False
     detach: str = "none"
+    draft: str = "none"
 
     @property
     def id(self) -> str:
         parts = [self.layout, "tied" if self.tied else "untied", self.output, self.loss_impl, self.sync]
         parts += ["defer"] if self.defer else []
         parts += [f"detach_{self.detach}"] if self.detach != "none" else []
+        parts += [self.draft] if self.draft != "none" else []
         return "-".join(parts)
 
     @property
@@ -95,7 +102,7 @@ class Case:
     @property
     def knobs(self) -> Knobs:
         """Stock built as this case (the side-by-side twin)."""
-        return Knobs(self.tied, self.fusion, self.overlap, self.defer)
+        return Knobs(self.tied, self.fusion, self.overlap, self.defer, draft=self.draft)
 
     @property
     def reference(self) -> Knobs:
@@ -109,7 +116,21 @@ class Case:
 
     @property
     def hook_options(self) -> dict[str, Any]:
-        return {"loss_impl": self.loss_impl, "output": self.output, "detach_encoder": self.detach_encoder, "detach_head": self.detach_head}
+        options = {"loss_impl": self.loss_impl, "output": self.output, "detach_encoder": self.detach_encoder, "detach_head": self.detach_head}
+        return {**options, **draft_options(self.draft)}
+
+
+def draft_options(draft: str) -> dict[str, Any]:
+    """The ``attach`` options of a ``draft`` factor value (a chain value of ``stock_references.CHAIN``)."""
+    steps, inputs, layers = CHAIN[draft]
+    if steps is None:
+        return {}
+    return {"draft_steps": steps, "draft_inputs": inputs, "draft_layers": layers, **({"draft_geometry": "engine"} if draft in ENGINE else {})}
+
+
+def draft_steps(draft: str, depth: int) -> int:
+    """The MTP losses a forward records: the chain's k, or the model's ``depth`` layers."""
+    return CHAIN[draft][0] or depth
 
 
 def allowed(case: Case) -> bool:

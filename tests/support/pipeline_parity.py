@@ -30,8 +30,10 @@ import mtp_hooks
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, cuda_calls_on_cpu, fused_wgrad_kernel_on_cpu, make_batch
 from mtp_hooks.testing import hooked_mtp_losses
 from tests.support.megatron_loop import cuda_stream_on_cpu
-from tests.support.pipeline_cases import Case, Knobs
+from tests.support.pipeline_cases import Case, Knobs, draft_steps
 from tests.support.pipeline_schedule import masked_sum_loss, run_schedule, stock_last_stage
+from tests.support.stock_engine_geometry import stock_engine_steps
+from tests.support.stock_references import ENGINE, stock_chain
 
 SEED = 1234
 MICRO_BATCHES = 4
@@ -70,7 +72,8 @@ def _chunks(knobs: Knobs, vpp: Optional[int]) -> list[nn.Module]:
         overrides["virtual_pipeline_model_parallel_size"] = vpp
     if knobs.mtp_factor is not None:
         overrides["mtp_loss_scaling_factor"] = knobs.mtp_factor
-    shape = TinyGPT(num_layers=2 * (vpp or 1), tied=knobs.tied, config_overrides=overrides)
+    position = "rope" if knobs.draft in ENGINE else "learned_absolute"  # the engine geometry refuses learned absolute
+    shape = TinyGPT(num_layers=2 * (vpp or 1), tied=knobs.tied, position_embedding_type=position, config_overrides=overrides)
     return pipeline_chunks(shape, SEED, vpp)
 
 
@@ -181,7 +184,8 @@ def run_stock(knobs: Knobs, vpp: Optional[int], batches: list[Batch]) -> Run:
             gpt = chunk.module
             if not gpt.post_process:
                 return chunk(*batch.model_args, **targets), None
-            with stock_last_stage(gpt, gpt.config.mtp_num_layers, outputs, mtp):
+            steps = draft_steps(knobs.draft, gpt.config.mtp_num_layers)
+            with stock_chain(gpt, knobs.draft), stock_engine_steps(gpt, knobs.draft), stock_last_stage(gpt, steps, outputs, mtp):
                 per_token = chunk(*batch.model_args, **targets)
             outputs.append(-per_token.detach())  # the main head's log-probs of the labels
             return per_token, partial(masked_sum_loss, batch.loss_mask)
@@ -216,7 +220,7 @@ def run_hooked(case: Case, batches: list[Batch]) -> Run:
                 outputs.append(output.detach().clone())
                 per_token = gpt.compute_language_model_loss(batch.labels, output.transpose(0, 1).contiguous())
             metrics = mtp_hooks.hooks_of(chunk).metrics()
-            mtp.append(hooked_mtp_losses(metrics, gpt.config.mtp_num_layers))
+            mtp.append(hooked_mtp_losses(metrics, draft_steps(case.draft, gpt.config.mtp_num_layers)))
             return per_token, partial(masked_sum_loss, batch.loss_mask)
 
         try:
