@@ -194,7 +194,7 @@ def extra_steps(
                 call["padding_mask"] = output[3]
             if engine is not None:
                 engine.step = i + 2
-                engine_geometry.shifted_rotary(call, i + 1)
+                engine_geometry.shifted_rotary(call, i + 1, engine.cp_group is not None)
             output = layer(**call)
             if engine is not None:
                 engine_geometry.check_step_ran(engine, i + 2)

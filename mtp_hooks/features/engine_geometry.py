@@ -17,9 +17,13 @@ here, for every start at once:
 In packed THD sequences (``[t, heads, d]`` with ``packed_seq_params``) step 1's cache stops at each sequence's start
 (its padded bounds, as mcore's rotary counts positions), and the shifted rotary advances every sequence's positions.
 
+Under context parallelism step 1's keys and values are gathered from every rank (``_GatherKeys``) and masked by
+their sequence positions; the rotary angles advance linearly (mcore hands each rank its own rows only).
+
 Refused at ``attach`` (``check``) where that cannot be honoured: a step served by another layer than step 1's,
-learned absolute positions or MLA (whose rotary lives inside the attention), context parallelism, activation
-recompute, attention dropout, and a softmax other than the plain one; a ``torch.compile``'d forward at the forward.
+learned absolute positions or MLA (whose rotary lives inside the attention), activation recompute, attention
+dropout, and a softmax other than the plain one; at the forward a ``torch.compile``'d forward and packed sequences
+under context parallelism.
 """
 
 from __future__ import annotations
@@ -38,11 +42,19 @@ __all__ = ["EngineSteps", "check", "on_core_attention", "shifted_rotary", "step_
 
 @dataclasses.dataclass
 class EngineSteps:
-    """Per training forward: the step layer's keys and values, step 1's first, and the step now running (0: the
-    block's own call)."""
+    """Per training forward: the step layer's keys and values, step 1's first, the step now running (0: the
+    block's own call) and the context-parallel group (``None``: the whole sequence is here)."""
 
     keys: list[tuple[Tensor, Tensor]] = dataclasses.field(default_factory=list)
     step: int = 0
+    cp_group: Optional[Any] = None
+
+    def of(self, cp_group: Any, options: Any) -> Optional[EngineSteps]:
+        """This forward's steps with its context-parallel group, or ``None`` where the geometry is the chain's."""
+        if options.draft_geometry != "engine":
+            return None
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        return self
 
 
 def check(model: nn.Module, plan: Any, steps: int) -> None:
@@ -60,7 +72,7 @@ def check(model: nn.Module, plan: Any, steps: int) -> None:
         refuse("rotary or no position embedding outside the attention (not learned absolute, not MLA)",
                f"position_embedding_type={position!r}, multi_latent_attention="
                f"{getattr(config, 'multi_latent_attention', False)}")
-    for name, fine in (("context_parallel_size", 1), ("recompute_granularity", None), ("attention_dropout", 0.0),
+    for name, fine in (("recompute_granularity", None), ("attention_dropout", 0.0),
                        ("window_size", None), ("apply_query_key_layer_scaling", False)):
         value = getattr(config, name, fine)
         if value != fine:
@@ -90,14 +102,48 @@ def keep_step_one(steps: EngineSteps, key: Tensor, value: Tensor) -> None:
         steps.keys.append((key, value))
 
 
-def shifted_rotary(kwargs: dict[str, Any], shift: int) -> None:
-    """Step ``shift + 1``'s call: its rotary embedding ``[s, 1, 1, d]`` moved ``shift`` positions on."""
+def shifted_rotary(kwargs: dict[str, Any], shift: int, cp: bool = False) -> None:
+    """Step ``shift + 1``'s call: its rotary embedding ``[s, 1, 1, d]`` moved ``shift`` positions on. Under context
+    parallelism (``cp``) mcore hands the layers this rank's rows only (two chunks of the sequence), so the angles
+    are advanced instead: rotary angles grow linearly with the position, and rows 0 and 1 are consecutive ones."""
     rotary = kwargs.get("rotary_pos_emb")
     if rotary is None or shift == 0:
         return
     if not isinstance(rotary, Tensor):
         raise bad_argument("draft_geometry", "'engine' with one rotary embedding tensor", type(rotary).__name__)
+    if cp:
+        if rotary.shape[0] < 4:
+            raise bad_argument("draft_geometry", "'engine' under context parallelism with at least 2 tokens per "
+                               "sequence chunk", f"{rotary.shape[0]} tokens on this rank")
+        kwargs["rotary_pos_emb"] = rotary + shift * (rotary[1:2] - rotary[0:1])
+        return
     kwargs["rotary_pos_emb"] = torch.cat([rotary[shift:], rotary[-1:].expand(shift, *rotary.shape[1:])])
+
+
+class _GatherKeys(torch.autograd.Function):
+    """Step 1's keys or values ``[s, b, g, d]`` of every context-parallel rank, in rank order; backward: each
+    rank's share of the gradient, summed over the ranks (every rank's queries read every rank's keys)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.group.size())[ctx.group.rank()].contiguous(), None
+
+
+def cp_positions(local: int, rank: int, size: int, device: torch.device) -> Tensor:
+    """The sequence positions of a context-parallel rank's ``local`` tokens: chunks ``rank`` and ``2 size - 1 -
+    rank`` of ``2 size`` (mcore's load-balanced split)."""
+    chunk = local // 2
+    starts = (rank * chunk, (2 * size - 1 - rank) * chunk)
+    return torch.cat([torch.arange(start, start + chunk, device=device) for start in starts])
 
 
 def step_attention(
@@ -115,16 +161,23 @@ def step_attention(
         return t.repeat_interleave(heads // t.shape[2], dim=2).float() if t.shape[2] != heads else t.float()
 
     q = query.float()
-    cached = torch.einsum("sbhd,tbhd->bhst", q, spread(first_key)) * scale  # [b, h, s, s]
-    seen = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    positions = key_positions = torch.arange(s, device=q.device)
+    group = steps.cp_group
+    if group is not None:  # step 1's cache spans the ranks: every rank's keys, at their sequence positions
+        first_key, first_value = _GatherKeys.apply(first_key, group), _GatherKeys.apply(first_value, group)
+        positions = cp_positions(s, group.rank(), group.size(), q.device)
+        key_positions = torch.cat([cp_positions(s, r, group.size(), q.device) for r in range(group.size())])
+    cached = torch.einsum("sbhd,tbhd->bhst", q, spread(first_key)) * scale  # [b, h, s, s * cp]
+    seen = key_positions[None, :] <= positions[:, None]
     if segments is not None:
         seen = seen & (segments[:, None] == segments[None, :])
     cached = cached.masked_fill(~seen, float("-inf"))
     own = torch.stack([(q * spread(k)).sum(-1) * scale for k, _ in steps.keys[1:]], -1)  # [s, b, h, j - 1]
     probs = torch.softmax(torch.cat([cached, own.permute(1, 2, 0, 3)], -1), -1)
-    out = torch.einsum("bhst,tbhd->sbhd", probs[..., :s], spread(first_value))
+    cached_count = cached.shape[-1]
+    out = torch.einsum("bhst,tbhd->sbhd", probs[..., :cached_count], spread(first_value))
     own_values = torch.stack([spread(v) for _, v in steps.keys[1:]], -1)  # [s, b, h, d, j - 1]
-    out = out + (own_values * probs[..., s:].permute(2, 0, 1, 3).unsqueeze(3)).sum(-1)
+    out = out + (own_values * probs[..., cached_count:].permute(2, 0, 1, 3).unsqueeze(3)).sum(-1)
     return out.reshape(s, b, -1).to(query.dtype)
 
 
@@ -159,6 +212,9 @@ def on_core_attention(
     """The step layer's core attention returned ``output``: step 1 keeps its keys and values (the output stands); a
     later step's output is replaced by its attention in the engine's geometry, in the backend's output shape."""
     query, key, value, segments = inputs(args, kwargs)
+    if segments is not None and steps.cp_group is not None:
+        raise bad_argument("draft_geometry", "'engine' with packed sequences on one context-parallel rank, or "
+                           "unpacked ones under context parallelism", "packed THD sequences under context parallelism")
     if steps.step == 0:
         keep_step_one(steps, key, value)
         return None

@@ -1,7 +1,7 @@
 """Stock mcore's CUDA assumptions, answered on CPU for as long as a context manager is open.
 
 mcore asks ``torch.cuda.current_device()`` for the device of a few buffers (its MTP loss tracker,
-tensor-parallel gathers, RoPE frequencies), makes its pipeline schedule's token counter with
+tensor-parallel gathers, RoPE frequencies), pins RoPE's context-parallel indices, makes its pipeline schedule's token counter with
 ``device="cuda"`` and calls ``.cuda()`` on embeddings of later pipeline stages. Each context
 manager here turns one of these to CPU while it is open and undoes it on exit; nothing is
 changed at import. ``mtp_hooks`` itself relies on none of them.
@@ -34,7 +34,8 @@ def cuda_current_device_is_cpu() -> Iterator[None]:
 
 
 class CudaToCpu(TorchFunctionMode):
-    """A torch function mode: ``device="cuda"`` of tensor factories becomes CPU, ``Tensor.cuda()`` a no-op."""
+    """A torch function mode: ``device="cuda"`` of tensor factories becomes CPU, ``pin_memory=True`` is dropped (no
+    pinned allocator without an accelerator; mcore pins RoPE's CP indices), ``Tensor.cuda()`` a no-op."""
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
@@ -45,6 +46,8 @@ class CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and str(device).startswith("cuda"):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

@@ -9,7 +9,8 @@ reverse order), the draft chain (its step weights, MTP layer 1's input, and step
 geometry on twins with rotary positions: ``stock_engine_geometry``), and the acceptance measured (``accept``: off, or the argmax,
 sampled and match rules at T > 0 and greedy T = 0, against a dense reference from stock's logits;
 never with the dense loss path, which measures none: ``parity.FORBIDDEN``). On two ranks (``tests.support.distributed``) also TP=2, TP=2 with SP, CP=2
-(not with the engine geometry, which refuses CP).
+(not with the engine geometry, whose stock reference cannot split its joined steps over CP: that is held out in
+``tests/distributed/test_engine_geometry_parallel.py``).
 
 Default set (``make test``): every combination of values of any 3 knobs (a greedy 3-wise covering
 set), the full product of output x loss path x head x fusion x checkpoint x micro-batches at fp32,

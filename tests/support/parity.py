@@ -74,7 +74,8 @@ AXES: dict[str, tuple[Any, ...]] = {
     "accept": tuple(ACCEPT),
 }
 # The value pairs no case can have, left out of the covering sets: an acceptance rule with the dense loss path
-# (``parity_acceptance``), and the engine geometry with CP (which it refuses: ``features.engine_geometry``).
+# (``parity_acceptance``), and the engine geometry with CP (its stock reference joins steps along the sequence, which
+# CP splits; CP is held out against the whole sequence in ``tests/distributed/test_engine_geometry_parallel.py``).
 FORBIDDEN = FORBIDDEN_ACCEPT | frozenset((("layout", "cp"), ("chain", value)) for value in ENGINE)
 LAYOUTS = ("tp", "sp", "cp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
