@@ -52,7 +52,9 @@ def scenario_context_parallel_engine(inputs: str, recycle: str) -> dict[str, flo
 
     from mtp_hooks.testing import init_parallel
 
-    options = dict(draft_steps=3, draft_geometry="engine", draft_inputs=inputs, draft_recycle=recycle)
+    # per_token_rescale=False: each step's sum as 0.14 - 0.16 weigh it (0.17+'s rescale by this rank's token counts
+    # would not add up over the ranks).
+    options = dict(draft_steps=3, draft_geometry="engine", draft_inputs=inputs, draft_recycle=recycle, per_token_rescale=False)
     full = make_batch(VOCAB, batch=2, seq=SEQ, seed=6)
     reference = _model(inputs)
     expected = _step(reference, full, options)
