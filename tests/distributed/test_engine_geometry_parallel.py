@@ -20,22 +20,15 @@ from torch import nn
 import mtp_hooks
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, cuda_calls_on_cpu, make_batch
 from tests.support.distributed import SpawnedGroup
+from tests.support.geometry_weights import spread
 
 VOCAB, SEQ = 64, 16
 
 
-def _model(inputs: str) -> nn.Module:
+def _model() -> nn.Module:
     shape = TinyGPT(vocab_size=VOCAB, mtp_num_layers=1, position_embedding_type="rope",
                     config_overrides={"calculate_per_token_loss": True})
-    model = shape.build(11)
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.mul_(4.0)
-            elif "norm" in name and name.endswith("weight"):
-                param.copy_(0.3 + 2.5 * torch.rand(param.shape, generator=generator))
-    return model
+    return spread(shape.build(11), 4.0)
 
 
 def _step(model: nn.Module, batch: Batch, options: dict[str, Any]) -> dict[str, float]:
@@ -56,15 +49,15 @@ def scenario_context_parallel_engine(inputs: str, recycle: str) -> dict[str, flo
     # would not add up over the ranks).
     options = dict(draft_steps=3, draft_geometry="engine", draft_inputs=inputs, draft_recycle=recycle, per_token_rescale=False)
     full = make_batch(VOCAB, batch=2, seq=SEQ, seed=6)
-    reference = _model(inputs)
+    reference = _model()
     expected = _step(reference, full, options)
     expected_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
-    chain = _step(_model(inputs), full, {**options, "draft_geometry": "chain"})
+    chain = _step(_model(), full, {**options, "draft_geometry": "chain"})
     init_parallel(context_parallel_size=2)
     group = parallel_state.get_context_parallel_group()
     index = context_parallel_positions(SEQ, parallel_state.get_context_parallel_rank(), 2)
     local = Batch(full.input_ids[:, index], full.position_ids[:, index], full.labels[:, index], full.loss_mask[:, index])
-    model = _model(inputs)
+    model = _model()
     with cuda_calls_on_cpu():  # mcore's RoPE pins its CP indices for the GPU
         metrics = _step(model, local, options)
     for j in (1, 2, 3):

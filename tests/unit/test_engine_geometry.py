@@ -26,6 +26,7 @@ import mtp_hooks
 from mtp_hooks.models import mtp_layer_body
 from mtp_hooks.testing import Batch, TinyGPT, TinyQwen, make_batch
 from mtp_hooks.testing.twins.batches import main_ce_from_logits, masked_mean
+from tests.support.geometry_weights import spread
 from tests.support.mcore_cpu import needs_packed_mtp
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -43,15 +44,7 @@ CASES: dict[str, tuple[Any, str, str, tuple[float, ...]]] = {
 
 
 def model(shape: Any = SHAPE) -> nn.Module:
-    built = shape.build(11)
-    generator = torch.Generator().manual_seed(12)
-    with torch.no_grad():  # far from the default init, where the two geometries draft alike
-        for name, param in built.named_parameters():
-            if param.dim() > 1:
-                param.mul_(6.0)
-            elif "norm" in name and name.endswith("weight"):
-                param.copy_(0.3 + 2.5 * torch.rand(param.shape, generator=generator))
-    return built
+    return spread(shape.build(11), 6.0)  # far from the default init, where the two geometries draft alike
 
 
 def grads(net: nn.Module) -> dict[str, Tensor]:
