@@ -2,8 +2,8 @@
 
 mcore asks ``torch.cuda.current_device()`` for the device of a few buffers (its MTP loss tracker,
 tensor-parallel gathers, RoPE frequencies), pins RoPE's context-parallel indices, makes its pipeline
-schedule's token counter with ``device="cuda"`` and calls ``.cuda()`` on embeddings of later pipeline stages. Each context
-manager here turns one of these to CPU while it is open and undoes it on exit; nothing is
+schedule's token counter with ``device="cuda"`` and calls ``.cuda()`` on embeddings of later pipeline
+stages. Each context manager here turns one of these to CPU while it is open and undoes it on exit; nothing is
 changed at import. ``mtp_hooks`` itself relies on none of them.
 """
 
