@@ -233,7 +233,7 @@ class ForwardHooks:
             return None
         extended = None
         if self.plan.changes_block:  # before the swaps end: the extra calls run as the block's did
-            engine = fwd.engine_steps.of(_mcore.cp_group_of(fwd.model, fwd.packing.params), self.options)
+            engine = fwd.engine_steps.of(fwd.model, fwd.packing.params, self.options)
             extended = chain.extend(fwd.chain, self.plan, block, output, engine)
         fwd.restore_swaps()
         fwd.block_output = output if extended is None else extended

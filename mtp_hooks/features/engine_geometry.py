@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from mtp_hooks import _mcore
 from mtp_hooks.errors import bad_argument
 
 __all__ = ["EngineSteps", "check", "on_core_attention", "shifted_rotary", "step_attention"]
@@ -49,11 +50,13 @@ class EngineSteps:
     step: int = 0
     cp_group: Optional[Any] = None
 
-    def of(self, cp_group: Any, options: Any) -> Optional[EngineSteps]:
-        """This forward's steps with its context-parallel group, or ``None`` where the geometry is the chain's."""
+    def of(self, model: nn.Module, packed_seq_params: Any, options: Any) -> Optional[EngineSteps]:
+        """This forward's steps with ``model``'s context-parallel group, or ``None`` where the geometry is the
+        chain's."""
         if options.draft_geometry != "engine":
             return None
-        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
+        group = _mcore.cp_group_of(model, packed_seq_params)
+        self.cp_group = group if group is not None and group.size() > 1 else None
         return self
 
 
@@ -190,9 +193,9 @@ def packed_segments(packed_seq_params: Any, tokens: int, device: torch.device) -
     return torch.bucketize(torch.arange(tokens, device=device), bounds[1:-1].to(device), right=True)
 
 
-def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """``(query, key, value, segments)`` of a core attention call, ``[s, b, heads, d]`` (packed THD input
-    ``[t, heads, d]`` as ``[t, 1, heads, d]``, with each token's sequence; else ``None``)."""
+def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor, Any]:
+    """``(query, key, value, packed)`` of a core attention call, ``[s, b, heads, d]`` (packed THD input
+    ``[t, heads, d]`` as ``[t, 1, heads, d]``, with its ``packed_seq_params``; else ``None``)."""
     names = ("query", "key", "value")
     found = [args[i] if i < len(args) else kwargs[name] for i, name in enumerate(names)]
     packed = kwargs.get("packed_seq_params")
@@ -202,8 +205,8 @@ def inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, Tenso
                                "ones with packed_seq_params", f"query of shape {tuple(found[0].shape)}")
         found = [t.unsqueeze(1) for t in found]
     if packed is None or getattr(packed, "qkv_format", "thd") != "thd":
-        return found[0], found[1], found[2], None
-    return found[0], found[1], found[2], packed_segments(packed, found[0].shape[0], found[0].device)
+        packed = None
+    return found[0], found[1], found[2], packed
 
 
 def on_core_attention(
@@ -211,13 +214,14 @@ def on_core_attention(
 ) -> Any:
     """The step layer's core attention returned ``output``: step 1 keeps its keys and values (the output stands); a
     later step's output is replaced by its attention in the engine's geometry, in the backend's output shape."""
-    query, key, value, segments = inputs(args, kwargs)
-    if segments is not None and steps.cp_group is not None:
+    query, key, value, packed = inputs(args, kwargs)
+    if packed is not None and steps.cp_group is not None:
         raise bad_argument("draft_geometry", "'engine' with packed sequences on one context-parallel rank, or "
                            "unpacked ones under context parallelism", "packed THD sequences under context parallelism")
     if steps.step == 0:
         keep_step_one(steps, key, value)
         return None
+    segments = None if packed is None else packed_segments(packed, query.shape[0], query.device)
     out = step_attention(steps, module, query, key, value, segments)
     shape = output.shape if isinstance(output, Tensor) else None
     return out if shape is None or shape == out.shape else out.reshape(shape)
