@@ -32,7 +32,8 @@ class EngineProfile:
     Training (``attach_options``): ``draft_steps`` = k, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
     ``mtp_input``, ``draft_geometry`` (vLLM's cache geometry for steps 2..k), ``draft_recycle`` (= ``recycle``).
     Prediction (``predict_options``): ``mtp_input`` (what MTP layer 1 reads of the target), ``geometry`` (what
-    steps 2..k attend over) and ``recycle`` (what step j + 1 reads of step j).
+    steps 2..k attend over), ``recycle`` (what step j + 1 reads of step j) and ``start_embedding`` (what MTP
+    layer 1 reads as the token embedding at a sequence's position 0: vLLM zeroes it).
     """
 
     engine: str
@@ -48,6 +49,7 @@ class EngineProfile:
     source: str
     draft_geometry: str = "chain"  # what training runs steps 2..k in (``attach(draft_geometry=)``)
     untrained: tuple[str, ...] = ()
+    start_embedding: str = "kept"
 
     @property
     def name(self) -> str:
@@ -63,7 +65,8 @@ class EngineProfile:
 
     def predict_options(self) -> dict[str, Any]:
         """``predict_engine_acceptance``'s options for this engine."""
-        return dict(mtp_input=self.mtp_input, geometry=self.geometry, recycle=self.recycle)
+        return dict(mtp_input=self.mtp_input, geometry=self.geometry, recycle=self.recycle,
+                    start_embedding=self.start_embedding)
 
 
 def _check(engine: str, family: str, k: Any) -> None:
@@ -73,10 +76,15 @@ def _check(engine: str, family: str, k: Any) -> None:
         raise bad_argument("k", f"the number of tokens {engine} drafts per step, an int >= 1", describe(k))
 
 
+# vLLM's DeepSeek-V3, GLM-4.5 and MiMo drafters replace MTP layer 1's token embedding at position 0 by zeros.
+ZEROED_START = "the token embedding MTP layer 1 reads at each sequence's position 0 is zeroed (training keeps it)"
+
+
+MLA_GEOMETRY = "steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)"
+
+
 def _untrained(geometry: str, draft_geometry: str) -> tuple[str, ...]:
-    if geometry == "engine" and draft_geometry != "engine":
-        return ("steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)",)
-    return ()
+    return ((MLA_GEOMETRY,) if geometry == "engine" and draft_geometry != "engine" else ()) + (ZEROED_START,)
 
 
 def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfile:
@@ -109,7 +117,7 @@ def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfil
     return EngineProfile(
         "vllm", version, family, k, accept_rule="argmax", draft_layers=draft_layers, draft_inputs="argmax",
         mtp_input=mtp_input, geometry=geometry, recycle=recycle, source=source, draft_geometry=draft_geometry,
-        untrained=_untrained(geometry, draft_geometry),
+        untrained=_untrained(geometry, draft_geometry), start_embedding="zeroed",
     )
 
 

@@ -1,8 +1,8 @@
-"""What a greedy rollout engine will accept of the trained draft, predicted by the trainer from its weights.
+"""What a rollout engine will accept of the trained draft, predicted by the trainer from its weights.
 
-``predict_engine_acceptance(model, hooks, prompts, token_ids, max_tokens)`` replays a T = 0 engine's
-speculative decoding on the engine's own generated tokens and returns the per-position acceptance vLLM's
-counters would show (``Replay``), without an engine in the loop:
+``predict_engine_acceptance(model, hooks, prompts, token_ids, max_tokens)`` replays an engine's speculative
+decoding with argmax drafts (greedy or sampling: ``replay``'s docstring) on the engine's own generated tokens
+and returns the per-position acceptance vLLM's counters would show (``Replay``), without an engine in the loop:
 
 * ``hits``: ``draft_hits``, one training-style forward of the hooked model that says, at every position,
   whether each draft step's token equals the engine's (``MTP_INPUTS``: which hidden state MTP layer 1 reads);

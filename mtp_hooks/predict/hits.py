@@ -22,11 +22,16 @@ two agree only while the final norm's weight is uniform.
 ``recycle``: what step j + 1 reads of step j there (``engine_steps.RECYCLES``): ``"normed"`` (mcore's, and
 vLLM's DeepSeek-V3 drafter's) or ``"unnormed"`` (vLLM 0.32 / 0.33's GLM-4.5 drafter); in the chain geometry
 it is the hooks' own ``draft_recycle``.
+
+``start_embedding``: what MTP layer 1 reads as the next token's embedding at each sequence's position 0: mcore
+trains it (``"kept"``); vLLM's DeepSeek-V3, GLM-4.5 and MiMo drafters replace it by zeros (``"zeroed"``, "not needed
+by MTP"), so the draft's attention there sees another key and value than it was trained with. It matters where
+the draft attends back to the sequence's start (short prompts).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -38,10 +43,11 @@ from mtp_hooks.predict.head import head_argmax
 if TYPE_CHECKING:
     from mtp_hooks import MTPHooks
 
-__all__ = ["GEOMETRIES", "MTP_INPUTS", "draft_hits"]
+__all__ = ["GEOMETRIES", "MTP_INPUTS", "START_EMBEDDINGS", "draft_hits"]
 
 MTP_INPUTS = ("decoder_output", "pre_final_norm")
 GEOMETRIES = ("chain", "engine")
+START_EMBEDDINGS = ("kept", "zeroed")
 
 
 def _positions(tokens: Tensor) -> Tensor:
@@ -56,6 +62,23 @@ def _block_steps(plan: Sequence[int], depths: int, modules: int) -> int:
     while kept < min(len(plan), depths) and plan[kept] == min(kept, modules - 1):
         kept += 1
     return kept
+
+
+def _zero_start_embedding(layer: nn.Module) -> Any:
+    """A hook that zeroes the normed token embedding the block's call of MTP layer 1 reads at position 0 (the
+    sequences' first row: prompts of one length), as vLLM's drafters zero the embedding before that norm; the chain's
+    later calls of the layer are left alone."""
+    calls: list[int] = []
+
+    def zero(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Optional[Tensor]:
+        calls.append(1)
+        if len(calls) != 1:
+            return None
+        zeroed = output.clone()
+        zeroed[0] = 0.0  # [s, b, h]
+        return zeroed
+
+    return layer.enorm.register_forward_hook(zero)
 
 
 def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None:
@@ -76,13 +99,15 @@ def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None
 
 def draft_hits(
     model: nn.Module, hooks: MTPHooks, sequences: Tensor, prompt: int,
-    mtp_input: str = "decoder_output", geometry: str = "chain", recycle: str = "normed",
+    mtp_input: str = "decoder_output", geometry: str = "chain", recycle: str = "normed", start_embedding: str = "kept",
 ) -> tuple[Tensor, float]:
     """``[k, b, s]`` bool: step j's draft at position t equals ``sequences[:, t + j + 1]`` (False where
     that is past the end), and the share of the tokens after the prompt that the main head's argmax
     picks. One training-style forward (grad enabled so the MTP block runs, never backpropagated) under
     ``hooks``, whose ``draft_steps`` is k; ``prompt`` tokens are not scored."""
     _check(hooks, mtp_input, geometry, recycle)
+    if start_embedding not in START_EMBEDDINGS:
+        raise ValueError(f"start_embedding: expected one of {START_EMBEDDINGS}, received {start_embedding!r}")
     layers = list(model.mtp.layers)
     plan = hooks.draft_plan()
     steps, depths = len(plan), model.config.mtp_num_layers
@@ -131,6 +156,8 @@ def draft_hits(
     if mtp_input == "pre_final_norm":
         handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
         handles.append(layers[0].register_forward_pre_hook(feed_before_norm, with_kwargs=True))
+    if start_embedding == "zeroed":
+        handles.append(_zero_start_embedding(layers[0]))
     try:
         with torch.enable_grad(), hooks.micro_batch(labels=labels, loss_mask=mask):
             logits = model(ids, _positions(ids), None)

@@ -1,7 +1,10 @@
-"""The acceptance a greedy (T = 0) engine measures, predicted by the trainer on the engine's own tokens.
+"""The acceptance an engine measures, predicted by the trainer on the engine's own tokens.
 
 vLLM drafts k tokens per verification step and, at T = 0, keeps draft j while drafts 1..j all equal
-the target's argmax; its per-position rate is (steps whose drafts 1..j were kept) / steps. The
+the target's argmax; its per-position rate is (steps whose drafts 1..j were kept) / steps. At T > 0 it drafts
+the argmax too and keeps draft j with probability p_T(draft j); a rejected draft is replaced by a token drawn
+from p_T without the draft's own, so on the engine's sampled tokens draft j was kept exactly where they equal
+it, and the same replay holds (given the k tokens the same requests draw past the end). The
 trainer predicts it without an engine in the loop: ``draft_hits`` (``hits``) says, at every position,
 whether each draft step's token equals the engine's there; ``replay`` then walks the engine's
 verification steps over those indicators: from the first generated token, each step drafts after
@@ -28,7 +31,7 @@ __all__ = ["Replay", "predict_engine_acceptance", "replay"]
 
 @dataclasses.dataclass(frozen=True)
 class Replay:
-    """Predicted counts of a greedy engine run: verification steps (``drafts``), and per draft position
+    """Predicted counts of an engine run: verification steps (``drafts``), and per draft position
     how many steps kept it (``accepted_per_position``), as vLLM's counters count them."""
 
     drafts: int
@@ -47,7 +50,7 @@ class Replay:
 
 
 def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float = float("nan")) -> Replay:
-    """The engine's greedy verification steps over ``hits`` (``draft_hits``): per row the prefill
+    """The engine's verification steps over ``hits`` (``draft_hits``): per row the prefill
     gives the first token; while fewer than ``max_tokens`` are out, one step drafts k after the last
     token, keeps the leading hits and emits them plus the target's token."""
     k, rows, width = hits.shape
@@ -67,20 +70,23 @@ def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float =
 def predict_engine_acceptance(
     model: nn.Module, hooks: MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]],
     max_tokens: int, mtp_input: str = "decoder_output", geometry: str = "chain",
-    engine: Optional[EngineProfile] = None,
+    engine: Optional[EngineProfile] = None, start_embedding: str = "kept",
 ) -> Replay:
-    """The per-position acceptance a T = 0 engine drafting ``hooks.options.draft_steps`` tokens measures
-    when it generates ``max_tokens`` tokens per prompt. ``token_ids``: the engine's generated tokens, at
-    least ``max_tokens`` per prompt and ideally k more (the greedy continuation past the end, e.g.
-    from a plain run), so the last steps' drafts have tokens to be compared with. ``mtp_input`` and
+    """The per-position acceptance an engine drafting ``hooks.options.draft_steps`` argmax tokens measures
+    when it generates ``max_tokens`` tokens per prompt, at T = 0 or sampling. ``token_ids``: the engine's generated
+    tokens, at least ``max_tokens`` per prompt and ideally k more (at T = 0 the greedy continuation past the end,
+    e.g. from a plain run; sampling, the same seeded requests run k tokens longer), so the last steps' drafts have
+    tokens to be compared with. ``mtp_input`` and
     ``geometry``: ``draft_hits``' (``"pre_final_norm"`` for vLLM's MiMo drafter, ``"engine"`` for vLLM's
     proposer's steps 2..k). ``engine``: an ``mtp_hooks.profiles`` profile, which sets both and ``draft_hits``'
-    ``recycle`` (what step j + 1 reads of step j), and must be the one ``hooks`` were attached with."""
+    ``recycle`` (what step j + 1 reads of step j) and ``start_embedding`` (``"zeroed"``: vLLM's drafters zero MTP
+    layer 1's token embedding at position 0), and must be the one ``hooks`` were attached with."""
     recycle = "normed"
     if engine is not None:
-        if (mtp_input, geometry) != ("decoder_output", "chain"):
-            raise ValueError("engine: the profile sets mtp_input and geometry; pass either, not both")
+        if (mtp_input, geometry, start_embedding) != ("decoder_output", "chain", "kept"):
+            raise ValueError("engine: the profile sets mtp_input, geometry and start_embedding; pass either, not both")
         mtp_input, geometry, recycle = engine.mtp_input, engine.geometry, engine.recycle
+        start_embedding = engine.start_embedding
         wanted = {k: v for k, v in engine.attach_options().items() if k != "draft_geometry"}  # training's own
         trained = {name: getattr(hooks.options, name) for name in wanted}
         if trained != wanted:
@@ -93,5 +99,5 @@ def predict_engine_acceptance(
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
     sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
     prompt = lengths.pop()
-    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, recycle)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, recycle, start_embedding)
     return replay(hits, prompt, max_tokens, agreement)

@@ -243,3 +243,34 @@ def test_recycle_is_checked() -> None:
         assert hits.shape[0] == 2
     with pytest.raises(ValueError, match="step1_unnormed"):
         engine_step_drafts(model, torch.zeros(4, 1, em.HIDDEN), torch.zeros(4, 1, em.HIDDEN), 2, 1, recycle="unnormed")
+
+
+def _eh_proj_inputs(model: nn.Module, start_embedding: str) -> list[torch.Tensor]:
+    """The input of MTP layer 1's ``eh_proj`` (``cat(enorm(embedding), hnorm(hidden))``) at each of its calls in one
+    ``draft_hits`` forward drafting 2 steps in the chain geometry (the block's call, then the chain's)."""
+    seen: list[torch.Tensor] = []
+    handle = model.mtp.layers[0].eh_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    hooks = mtp_hooks.attach(model, draft_steps=2, **RULE)
+    try:
+        draft_hits(model, hooks, torch.randint(2, em.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0)), prompt=4,
+                   start_embedding=start_embedding)
+    finally:
+        hooks.remove()
+        handle.remove()
+    return seen
+
+
+def test_zeroed_start_embedding_zeroes_layer_1s_token_embedding_at_position_0_only() -> None:
+    """vLLM's drafters zero MTP layer 1's token embedding at position 0: the prediction's block call of layer 1 reads
+    zeros there (its normed embedding half, row 0) and the very same values everywhere else; the chain's later call
+    of the layer is untouched."""
+    model = em.trainer("mimo", "noisy", sigma=1.0)
+    kept, zeroed = _eh_proj_inputs(model, "kept"), _eh_proj_inputs(model, "zeroed")
+    hidden = model.config.hidden_size
+    assert len(kept) == len(zeroed) == 2
+    assert kept[0][0, :, :hidden].abs().sum() > 0 and torch.all(zeroed[0][0, :, :hidden] == 0)
+    assert torch.equal(zeroed[0][0, :, hidden:], kept[0][0, :, hidden:]) and torch.equal(zeroed[0][1:], kept[0][1:])
+    assert zeroed[1][0, :, :hidden].abs().sum() > 0  # the chain's call: its draft embedding at position 0 kept
+    assert not torch.equal(zeroed[1], kept[1])  # it reads step 1's output, which the zero changed
+    with pytest.raises(ValueError, match="start_embedding"):
+        _eh_proj_inputs(model, "masked")
