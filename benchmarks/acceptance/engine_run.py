@@ -33,8 +33,8 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from benchmarks.acceptance import report
 from benchmarks.acceptance.arms import assert_same_policy, grpo_batch, make_arm, release, rl_banner, rl_step
 from benchmarks.acceptance.chain import parse_variant
-from benchmarks.acceptance.code_task import CodeTask
 from benchmarks.acceptance.engine_measure import Snapshot, measure
+from benchmarks.acceptance.experiment import TASKS
 from benchmarks.acceptance.pretrain import forward, pretrained
 from benchmarks.acceptance.settings import Setting
 from mtp_hooks.profiles import vllm
@@ -77,7 +77,7 @@ def run_seed(setting: Setting, folder: Path, cache: Path, log: Callable[[str], N
     temperature = setting.temperatures[0]
     started = time.perf_counter()
     MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    task = CodeTask.build(setting, setting.seed, cache)
+    task = TASKS[setting.task].build(setting, setting.seed, cache)
     state, sft = pretrained(task, setting, cache, log)
     arms = [make_arm(name, state, setting, temperature, engine_options(name, setting.chain)) for name in setting.variants]
     rollout_gen = torch.Generator().manual_seed(setting.seed + 2)
@@ -120,7 +120,8 @@ def run_engine(setting: Setting, seeds: tuple[int, ...], cache: Path, log: Calla
         log(f"seed {seed}")
         with tempfile.TemporaryDirectory(prefix="acceptance-engine-") as folder:
             runs.append(run_seed(dataclasses.replace(setting, seed=seed), Path(folder), cache, log))
-    return {"task": "code", "engine": "vllm", "temperature_rollouts": setting.temperatures[0], "temperature_engine": 0.0,
+    return {"task": setting.task, "engine": "vllm", "temperature_rollouts": setting.temperatures[0], "temperature_engine": setting.temperatures[0],
+            "temperature_greedy_fields": 0.0,
             "seeds": list(seeds), "runs": runs, "setting": dataclasses.asdict(setting), "versions": {**report.versions(), **_engine_versions()}}
 
 

@@ -28,7 +28,8 @@ DEFAULT_OUT = Path("bench-out/acceptance")
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(benchmarks.acceptance.__doc__ or "").split("\n")[0])
-    parser.add_argument("--task", choices=sorted(TASKS), default="code", help="code (default): the standard library's source; words: the synthetic language")
+    parser.add_argument("--task", choices=sorted(TASKS), help="code (the default): the standard library's source; words (the default of "
+                        "--engine): the synthetic language")
     parser.add_argument("--quick", action="store_true", help="the short schedule (3 seeds in minutes on 2 cores)")
     parser.add_argument("--config", "--setting", dest="setting", help="named schedule: quick, full (default), smoke; code also gpu (one CUDA device), chain (k = 3 drafts from N = 1), chain-smoke")
     parser.add_argument("--set", default="", metavar="FIELD=VALUE,...", help="override sizes or schedule, e.g. hidden=32,layers=1,device=cpu")
@@ -36,8 +37,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cache", type=Path, default=CACHE, help="tokenizer, token streams and pretrained models (code task)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (small matmuls: 1 is fastest on a shared CPU)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: 0,1,2; --engine --quick: 0; at least 1)")
-    parser.add_argument("--engine", choices=["vllm"], help="measure the drafts with vLLM at T = 0 (make acceptance-engine; runs in .vllm): "
-                        "a MiMo-shaped model, variants trained for the engine, k = 1..3 (engine_run.py)")
+    parser.add_argument("--engine", choices=["vllm"], help="measure the drafts with vLLM at the rollouts' T and at T = 0 (make acceptance-engine; "
+                        "runs in .vllm): a MiMo-shaped model, variants trained for the engine, k = 1..3 (engine_run.py)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="DIR", help="join the acceptance.json of runs over separate seeds into --out, run nothing")
     args = parser.parse_args(argv)
     if args.merge:
@@ -45,8 +46,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report.write_outputs(result, args.out)
         print(report.markdown(result))
         return 0
-    if args.engine and args.task != "code":
-        parser.error("--engine: the code task only")
+    args.task = args.task or ("words" if args.engine else "code")
     name = args.setting or ({True: "engine-quick", False: "engine"} if args.engine else {True: "quick", False: "full"})[args.quick]
     if name not in SETTINGS[args.task]:
         parser.error(f"--config {name!r}: the {args.task} task has {', '.join(sorted(SETTINGS[args.task]))}")

@@ -112,3 +112,43 @@ def test_a_step1_prediction_off_the_engine_makes_the_measurement_unsound() -> No
     off = {**GOOD, "ce": ([0.8, 0.5], [0.3, 0.5])}  # k = 1: 0.5 off at the last step
     found = engine_report.verdict(_result(off))
     assert found["step1_gap"] > engine_report.STEP1_BOUND and not engine_report.sound(found)
+
+
+def _issue_result(accept: list[float], profile: list[float], rl_lr: float) -> dict[str, Any]:
+    """Three seeds; frozen at k = 1, 2 accepted [0.7, 0.5]; ``accept`` and ``accept+profile`` with their own per-position
+    rates in every seed but the last, where each is 0.02 lower at position 1 (seeds differ)."""
+    result = _result({"frozen": ([0.7, 0.5], [0.7, 0.5]), "accept": (accept, accept), "accept+profile": (profile, profile)}, seeds=3)
+    for name, rates in (("accept", accept), ("accept+profile", profile)):
+        for k in (1, 2):
+            result["runs"][2]["variants"][name][f"k{k}"]["engine_accept_len"][-1] -= 0.02
+    return {**result, "setting": {"rl_lr": rl_lr}, "temperature_engine": 1.0}
+
+
+def test_verdict_holds_the_trained_drafts_to_no_harm_and_the_gain_goal_of_their_learning_rate() -> None:
+    near = engine_report.verdict(_issue_result([0.72, 0.52], [0.74, 0.55], rl_lr=3e-4))
+    assert near["gain_goal"] == 0.0 and near["gain_ok"] and near["harm_ok"]
+    assert near["chain_pays"] == {"accept+profile": 3} and near["chain_pays_ok"]
+    gain = near["gain"]["accept+profile"]
+    assert gain["low"] < gain["mean"] < gain["high"] and gain["per_seed"][2] == pytest.approx(gain["per_seed"][0] - 0.02)
+    far = engine_report.verdict(_issue_result([0.72, 0.52], [0.74, 0.55], rl_lr=1e-3))
+    assert far["gain_goal"] == engine_report.FAR_GAIN and not far["gain_ok"]  # gains of about 0.05, not 0.3
+    harmed = engine_report.verdict(_issue_result([0.62, 0.5], [0.74, 0.55], rl_lr=3e-4))  # accept 0.08 below frozen at k = 1
+    assert not harmed["harm_ok"] and harmed["harm"]["accept"] == pytest.approx(-0.1)
+    assert "goal >= -0.05: NOT met" in engine_report.markdown(_issue_result([0.62, 0.5], [0.74, 0.55], rl_lr=3e-4))
+
+
+def test_verdict_needs_a_confident_policy_before_rl() -> None:
+    result = _issue_result([0.72, 0.52], [0.74, 0.55], rl_lr=3e-4)
+    assert engine_report.verdict(result)["confidence"] == [0.5, 0.5, 0.5]  # the first evaluation step's rate
+    assert not engine_report.verdict(result)["confidence_ok"]
+    for run in result["runs"]:
+        run["variants"]["frozen"]["k1"]["engine_accept_1"][0] = 0.65
+    assert engine_report.verdict(result)["confidence_ok"]
+
+
+def test_the_95_percent_interval_is_students_over_the_seeds() -> None:
+    from benchmarks.acceptance.figures import interval95
+
+    low, high = interval95([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert (low, high) == (pytest.approx(2 - 4.303 / 3 ** 0.5), pytest.approx(2 + 4.303 / 3 ** 0.5))
+    assert all(x != x for x in interval95([1.0]))
