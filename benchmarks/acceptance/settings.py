@@ -51,6 +51,9 @@ class Setting:
     sft_lr: float = 3e-3
     held_out_windows: int = 64
     files: Optional[int] = None  # code: standard-library files to use (None: all)
+    word_reward: str = "preferred"  # words: "preferred", or "grammatical" (times the rollout's grammatical share)
+    word_letters: int = 0  # words: interior letters the words share (0: every token past the start tokens)
+    word_interior: tuple[int, int] = (0, 2)  # words: least and most interior letters per spelling
     rl_steps: int = 40
     prompts: int = 8
     group: int = 8
@@ -110,6 +113,20 @@ SETTINGS["code"]["engine"] = dataclasses.replace(SETTINGS["code"]["engine-quick"
 # The engine test's (tests/engine/test_engine_acceptance_bench.py): seconds of training, four engine starts.
 SETTINGS["code"]["engine-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], family="mimo", hidden=64, chain=3, temperatures=(1.0,),
                                                        variants=("frozen", "ce", "accept+chain"), seq=20, eval_rollouts=4)
+# --engine vllm on the word task (the default of --engine): a confident policy, as a rollout engine drafts for. Inside
+# a word the next token is certain and at a boundary the bigram's top successor has about 0.6 of the mass, so at
+# T = 1 a perfect draft is accepted about 0.8 of the time at position 1 (the code task's small model: 0.05-0.19).
+# The engine measures at the rollouts' T (temperatures[0]) with T = 0 beside it; rl_lr 3e-4 (``--set rl_lr=0.001``:
+# a policy that moves far), mtp_lr 3e-4 (the recommended rate, BENCHMARKS.md).
+WORD_ENGINE_VARIANTS = ("frozen", "ce", "accept", "accept+chain", "accept+profile", "accept+profile_tf")
+_WORD_ENGINE = Setting(family="mimo", hidden=64, layers=2, vocab=64, seq=32, prompt=2, mtp=2, chain=3, sft_min_steps=300,
+                       sft_max_steps=1500, rl_lr=3e-4, mtp_lr=3e-4, temperatures=(1.0,), variants=WORD_ENGINE_VARIANTS,
+                       word_reward="grammatical", word_letters=4, word_interior=(2, 4))
+SETTINGS["words"]["engine-quick"] = dataclasses.replace(_WORD_ENGINE, rl_steps=12, eval_every=6, eval_rollouts=96)
+SETTINGS["words"]["engine"] = dataclasses.replace(_WORD_ENGINE, rl_steps=40, eval_every=10, eval_rollouts=256)
+SETTINGS["words"]["engine-smoke"] = dataclasses.replace(_WORD_ENGINE, sft_min_steps=60, sft_max_steps=60, sft_window=20, sft_batch=16, seq=14,
+                                                        rl_steps=2, prompts=2, group=4, eval_every=1, eval_rollouts=4,
+                                                        variants=("frozen", "ce", "accept+profile"))
 SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 
@@ -156,6 +173,8 @@ def overrides(text: str) -> dict[str, Any]:
             out[name] = int(value) if kind == "int" else float(value)
         elif kind == "str":
             out[name] = value
+        elif kind == "tuple[float, ...]":  # temperatures=1.0/0.7
+            out[name] = tuple(float(part) for part in value.split("/"))
         else:
             raise ValueError(f"--set: field {name!r} ({kind}) cannot be set from the command line")
     return out

@@ -33,16 +33,22 @@ class WordLanguage:
     vocab: int
 
     @classmethod
-    def build(cls, vocab: int = 32, words: int = 12, branching: int = 3, preferred: int = 4, seed: int = 0) -> "WordLanguage":
+    def build(cls, vocab: int = 32, words: int = 12, branching: int = 3, preferred: int = 4, seed: int = 0,
+              letters: int = 0, interior: tuple[int, int] = (0, 2)) -> "WordLanguage":
+        """``letters``: how many interior letters the words share (0: every token after the start tokens); with few,
+        the next letter depends on the word, not on the letter before it. ``interior``: the least and most interior
+        letters of a spelling."""
         if vocab < words + 3:
             raise ValueError(f"vocab: expected at least words + 3 = {words + 3} tokens, got {vocab}")
+        if not 0 <= letters <= vocab - 1 - words:
+            raise ValueError(f"letters: expected 0..{vocab - 1 - words} (vocab - 1 - words), got {letters}")
         gen = torch.Generator().manual_seed(seed)
-        interior = torch.arange(1 + words, vocab)
+        pool = torch.arange(1 + words, vocab if letters == 0 else 1 + words + letters)
         spellings = []
         for w in range(words):
-            length = int(torch.randint(0, 3, (1,), generator=gen))
-            letters = interior[torch.randint(0, len(interior), (length,), generator=gen)].tolist()
-            spellings.append((1 + w, *letters))
+            length = int(torch.randint(interior[0], interior[1] + 1, (1,), generator=gen))
+            spelled = pool[torch.randint(0, len(pool), (length,), generator=gen)].tolist()
+            spellings.append((1 + w, *spelled))
         successors = torch.zeros(words, words)
         for w in range(words):
             nxt = torch.randperm(words, generator=gen)[:branching]
@@ -79,15 +85,20 @@ class WordLanguage:
     def grammatical_share(self, tokens: Tensor, prompt: int) -> float:
         """Share of generated tokens the grammar allows after what precedes them (spelling inside a
         word, a bigram successor at a word boundary); how far a policy has left the language."""
-        allowed = total = 0
+        return float(self.grammatical_rows(tokens, prompt).mean())
+
+    def grammatical_rows(self, tokens: Tensor, prompt: int) -> Tensor:
+        """``grammatical_share`` per sequence, ``[b]``."""
+        shares = []
         for row in tokens.tolist():
+            allowed = 0
             state: tuple[int, int] | None = None  # (word, index of the last token in its spelling)
             for position, token in enumerate(row):
                 if position >= prompt:
-                    total += 1
                     allowed += int(token in self._next_tokens(state))
                 state = self._advance(state, token)
-        return allowed / max(total, 1)
+            shares.append(allowed / max(len(row) - prompt, 1))
+        return torch.tensor(shares)
 
     def _next_tokens(self, state: "tuple[int, int] | None") -> set[int]:
         if state is None:  # after BOS or an ungrammatical interior letter: any word may start
@@ -185,17 +196,29 @@ class Task(Protocol):
 WORD_PROMPT = 2  # BOS and the first word's start token
 
 
+WORD_REWARDS = ("preferred", "grammatical")
+
+
 @dataclasses.dataclass
 class WordTask:
-    """The synthetic word language as a ``Task``: prompts are BOS and a first word's start token."""
+    """The synthetic word language as a ``Task``: prompts are BOS and a first word's start token. ``reward``:
+    ``"preferred"``, the language's (the share of preferred words), or ``"grammatical"``, that times the rollout's
+    grammatical share, so a policy that moves far keeps to the language instead of repeating a preferred word's
+    start token."""
 
     language: WordLanguage
     name: str = "words"
     policy_metrics: tuple[str, ...] = ("grammatical_share",)
+    reward_kind: str = "preferred"
 
     @classmethod
     def build(cls, setting: Any, seed: int, cache: Any = None) -> "WordTask":
-        return cls(WordLanguage.build(vocab=setting.vocab, seed=seed))
+        kind = getattr(setting, "word_reward", "preferred")
+        if kind not in WORD_REWARDS:
+            raise ValueError(f"word_reward: expected one of {WORD_REWARDS}, received {kind!r}")
+        language = WordLanguage.build(vocab=setting.vocab, seed=seed, letters=getattr(setting, "word_letters", 0),
+                                      interior=getattr(setting, "word_interior", (0, 2)))
+        return cls(language, reward_kind=kind)
 
     def pretrain_batch(self, count: int, length: int, gen: torch.Generator) -> Tensor:
         return self.language.sample(count, length, gen)
@@ -207,7 +230,8 @@ class WordTask:
         return self.language.sample(count, WORD_PROMPT, gen)
 
     def reward(self, tokens: Tensor, prompt: int) -> Tensor:
-        return self.language.reward(tokens, prompt)
+        preferred = self.language.reward(tokens, prompt)
+        return preferred if self.reward_kind == "preferred" else preferred * self.language.grammatical_rows(tokens, prompt)
 
     def describe(self, tokens: Tensor, prompt: int) -> dict[str, float]:
         return {"grammatical_share": self.language.grammatical_share(tokens, prompt)}
@@ -220,4 +244,8 @@ class WordTask:
         return {"words": lang.words, "preferred": sorted(lang.preferred), "spellings": [list(s) for s in lang.spellings]}
 
     def cache_key(self) -> Optional[str]:
-        return None  # seconds to pretrain: not cached
+        # The language is drawn from the seed (in the cache key too) and these sizes.
+        lang = self.language
+        lengths = sorted({len(s) for s in lang.spellings})
+        letters = len({t for s in lang.spellings for t in s[1:]})
+        return f"words-v{lang.vocab}-w{lang.words}-len{lengths[0]}to{lengths[-1]}-l{letters}"

@@ -26,7 +26,7 @@ from benchmarks.acceptance.drafts import DraftCapture, chain_tokens_per_step, de
 from benchmarks.acceptance.experiment import run, run_seeds, run_task
 from benchmarks.acceptance.run import main
 from benchmarks.acceptance.settings import SETTINGS, config, shape_of
-from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage
+from benchmarks.acceptance.task import WORD_PROMPT, WordLanguage, WordTask
 
 SMALL = dataclasses.replace(SETTINGS["words"]["smoke"], rl_steps=2, eval_every=1)
 CODE = SETTINGS["code"]["smoke"]
@@ -108,6 +108,22 @@ def test_grammatical_share_is_one_on_the_language_and_drops_on_a_broken_sequence
     broken = samples.clone()
     broken[:, 10] = language.vocab - 1  # an interior letter: wrong wherever the spelling does not call for it
     assert language.grammatical_share(broken, WORD_PROMPT) < 1.0
+
+
+def test_the_grammatical_reward_pays_a_preferred_word_only_inside_the_language() -> None:
+    setting = dataclasses.replace(SMALL, word_reward="grammatical")
+    task = WordTask.build(setting, seed=0)
+    language = task.language
+    samples = language.sample(16, 24, torch.Generator().manual_seed(2))
+    assert torch.equal(task.reward(samples, WORD_PROMPT), language.reward(samples, WORD_PROMPT))  # grammatical: unchanged
+    spelled = [w for w in sorted(language.preferred) if len(language.spellings[w]) > 1]  # its start token calls for a letter
+    repeated = samples.clone()
+    repeated[:, WORD_PROMPT:] = 1 + spelled[0]  # a preferred word's start token over and over: every word start preferred
+    assert torch.all(language.reward(repeated, WORD_PROMPT) == 1.0)
+    gated = task.reward(repeated, WORD_PROMPT)
+    assert torch.allclose(gated, language.grammatical_rows(repeated, WORD_PROMPT)) and torch.all(gated < 1.0)
+    with pytest.raises(ValueError, match="word_reward"):
+        WordTask.build(dataclasses.replace(SMALL, word_reward="grammar"), seed=0)
 
 
 def test_seeds_are_summarised_with_spread_and_every_run_is_kept(one_intra_op_thread: None) -> None:
