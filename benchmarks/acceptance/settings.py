@@ -123,7 +123,7 @@ _WORD_ENGINE = Setting(family="mimo", hidden=64, layers=2, vocab=64, seq=32, pro
                        sft_max_steps=1500, rl_lr=3e-4, mtp_lr=3e-4, temperatures=(1.0,), variants=WORD_ENGINE_VARIANTS,
                        word_reward="grammatical", word_letters=4, word_interior=(2, 4))
 SETTINGS["words"]["engine-quick"] = dataclasses.replace(_WORD_ENGINE, rl_steps=12, eval_every=6, eval_rollouts=96)
-SETTINGS["words"]["engine"] = dataclasses.replace(_WORD_ENGINE, rl_steps=40, eval_every=10, eval_rollouts=256)
+SETTINGS["words"]["engine"] = dataclasses.replace(_WORD_ENGINE, rl_steps=40, eval_every=10, eval_rollouts=128)
 SETTINGS["words"]["engine-smoke"] = dataclasses.replace(_WORD_ENGINE, sft_min_steps=60, sft_max_steps=60, sft_window=20, sft_batch=16, seq=14,
                                                         rl_steps=2, prompts=2, group=4, eval_every=1, eval_rollouts=4,
                                                         variants=("frozen", "ce", "accept+profile"))
