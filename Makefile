@@ -95,7 +95,7 @@ test-engine: engine-env venv  ## the engine tests (tests/engine): exported draft
 	$(PY) scripts/bridges.py --python311 $(PY) --versions 0.16.1 --build-only
 	$(ENGINE_PRELOAD) MTP_HOOKS_ENGINE_TESTS=1 MTP_HOOKS_ENGINE_CONFIG=$(ENGINE_CONFIG) $(ENGINE_PY) -m pytest -q -p no:cacheprovider tests/engine $(PYTEST_ARGS)
 
-acceptance-engine: engine-env  ## the acceptance benchmark measured by vLLM at T = 0: engine vs the trainer's prediction per variant and k = 1..3, 3 seeds (ACCEPTANCE_ARGS=--quick: one seed, ~1.5 min)
+acceptance-engine: engine-env  ## the word task's RL run measured by vLLM at the rollouts' T (T = 0 beside it): engine vs the trainer's prediction per variant and k = 1..3, 3 seeds (ACCEPTANCE_ARGS=--quick: one seed, ~3 min; --set rl_lr=0.001; --task code)
 	$(ENGINE_PRELOAD) HF_HUB_OFFLINE=1 $(ENGINE_PY) -m benchmarks.acceptance --engine vllm $(ACCEPTANCE_ARGS)
 
 engine-sync-bench: engine-env  ## seconds and bytes per push into the engine: the MTP layers against the whole model

@@ -12,6 +12,9 @@ and returns the per-position acceptance vLLM's counters would show (``Replay``),
 * ``replay``: ``replay``, the engine's verification steps over those indicators, and ``Replay``;
 * ``head``: the main head's greedy pick (its own weight, or the embedding's when they are tied).
 
+``START_EMBEDDINGS``: what MTP layer 1 reads as the token embedding at a sequence's position 0, ``"kept"`` as mcore
+trains it or ``"zeroed"`` as vLLM's drafters replace it.
+
 Which MTP layer runs each step comes from the hooks (``MTPHooks.draft_plan()``), an MTP layer's transformer
 layer from ``mtp_hooks.models.mtp_layer_body``. Unsharded models (tensor parallelism 1) on one device.
 Measured against vLLM in ``docs/engine.md`` (the acceptance benchmark, the layer-schedule tests).
@@ -21,9 +24,10 @@ from mtp_hooks._quiet import megatron_notices_silenced as _megatron_notices_sile
 
 with _megatron_notices_silenced():  # megatron-core's import-time notices, as mtp_hooks' other faces
     from mtp_hooks.predict.engine_steps import RECYCLES, engine_step_drafts
-    from mtp_hooks.predict.hits import MTP_INPUTS, draft_hits
+    from mtp_hooks.predict.hits import MTP_INPUTS, START_EMBEDDINGS, draft_hits
     from mtp_hooks.predict.replay import Replay, predict_engine_acceptance, replay
 
 __all__ = [
-    "MTP_INPUTS", "RECYCLES", "Replay", "draft_hits", "engine_step_drafts", "predict_engine_acceptance", "replay"
+    "MTP_INPUTS", "RECYCLES", "START_EMBEDDINGS", "Replay", "draft_hits", "engine_step_drafts",
+    "predict_engine_acceptance", "replay",
 ]
