@@ -44,7 +44,7 @@ from benchmarks.acceptance.settings import Setting, build_model
 from mtp_hooks.engine import VLLMSync, generate_greedy, generate_sampled, start_vllm, stop_vllm
 from mtp_hooks.export import mtp_hf_weights
 from mtp_hooks.testing import engine_models as em
-from mtp_hooks.predict import predict_engine_acceptance
+from mtp_hooks.predict import Replay, draft_hits, engine_sequences, replay
 
 FAMILY, LAYOUT = "mimo", "mimo"
 # vLLM 0.32's schedule and rule at T = 0: what the trainer predicts with.
@@ -117,8 +117,12 @@ def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tok
     input after the norm (``as_trained``: the layout's skew), the embedding kept at position 0 (``kept_start``), and
     the hooks' own chain geometry (``chain``: every step over the whole sequence, as ``mtp_j/accept`` measures)."""
     hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
-    predict = lambda mtp_input=ENGINE_MTP_INPUT, geometry="engine", start=ENGINE_START: predict_engine_acceptance(  # noqa: E731
-        model, hooks, prompts, truth, tokens, mtp_input, geometry, start_embedding=start)
+    sequences, prompt = engine_sequences(prompts, truth, tokens)
+
+    def predict(mtp_input: str = ENGINE_MTP_INPUT, geometry: str = "engine", start: str = ENGINE_START) -> Replay:
+        hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, "normed", start)
+        return replay(hits, prompt, tokens, agreement)
+
     try:
         if not diagnostics:
             return predict(), {}

@@ -25,9 +25,9 @@ from mtp_hooks._quiet import megatron_notices_silenced as _megatron_notices_sile
 with _megatron_notices_silenced():  # megatron-core's import-time notices, as mtp_hooks' other faces
     from mtp_hooks.predict.engine_steps import RECYCLES, engine_step_drafts
     from mtp_hooks.predict.hits import MTP_INPUTS, START_EMBEDDINGS, draft_hits
-    from mtp_hooks.predict.replay import Replay, predict_engine_acceptance, replay
+    from mtp_hooks.predict.replay import Replay, engine_sequences, predict_engine_acceptance, replay
 
 __all__ = [
-    "MTP_INPUTS", "RECYCLES", "START_EMBEDDINGS", "Replay", "draft_hits", "engine_step_drafts",
+    "MTP_INPUTS", "RECYCLES", "START_EMBEDDINGS", "Replay", "draft_hits", "engine_sequences", "engine_step_drafts",
     "predict_engine_acceptance", "replay",
 ]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mtp_hooks import MTPHooks
     from mtp_hooks.profiles import EngineProfile
 
-__all__ = ["Replay", "predict_engine_acceptance", "replay"]
+__all__ = ["Replay", "engine_sequences", "predict_engine_acceptance", "replay"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def replay(hits: Tensor, prompt: int, max_tokens: int, target_agreement: float =
 def predict_engine_acceptance(
     model: nn.Module, hooks: MTPHooks, prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]],
     max_tokens: int, mtp_input: str = "decoder_output", geometry: str = "chain",
-    engine: Optional[EngineProfile] = None, start_embedding: str = "kept",
+    engine: Optional[EngineProfile] = None,
 ) -> Replay:
     """The per-position acceptance an engine drafting ``hooks.options.draft_steps`` argmax tokens measures
     when it generates ``max_tokens`` tokens per prompt, at T = 0 or sampling. ``token_ids``: the engine's generated
@@ -79,25 +79,34 @@ def predict_engine_acceptance(
     tokens to be compared with. ``mtp_input`` and
     ``geometry``: ``draft_hits``' (``"pre_final_norm"`` for vLLM's MiMo drafter, ``"engine"`` for vLLM's
     proposer's steps 2..k). ``engine``: an ``mtp_hooks.profiles`` profile, which sets both and ``draft_hits``'
-    ``recycle`` (what step j + 1 reads of step j) and ``start_embedding`` (``"zeroed"``: vLLM's drafters zero MTP
-    layer 1's token embedding at position 0), and must be the one ``hooks`` were attached with."""
-    recycle = "normed"
+    ``recycle`` (what step j + 1 reads of step j) and ``draft_hits``' ``start_embedding`` (``"zeroed"``: vLLM's
+    drafters zero MTP layer 1's token embedding at position 0; without a profile, ``"kept"``), and must be the one
+    ``hooks`` were attached with."""
+    recycle, start_embedding = "normed", "kept"
     if engine is not None:
-        if (mtp_input, geometry, start_embedding) != ("decoder_output", "chain", "kept"):
-            raise ValueError("engine: the profile sets mtp_input, geometry and start_embedding; pass either, not both")
+        if (mtp_input, geometry) != ("decoder_output", "chain"):
+            raise ValueError("engine: the profile sets mtp_input and geometry; pass either, not both")
         mtp_input, geometry, recycle = engine.mtp_input, engine.geometry, engine.recycle
         start_embedding = engine.start_embedding
         wanted = {k: v for k, v in engine.attach_options().items() if k != "draft_geometry"}  # training's own
         trained = {name: getattr(hooks.options, name) for name in wanted}
         if trained != wanted:
             raise ValueError(f"engine: hooks attached with {trained}, not as {engine.name} drafts: {wanted}")
+    sequences, prompt = engine_sequences(prompts, token_ids, max_tokens)
+    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, recycle, start_embedding)
+    return replay(hits, prompt, max_tokens, agreement)
+
+
+def engine_sequences(
+    prompts: Sequence[Sequence[int]], token_ids: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[Tensor, int]:
+    """``[b, P + n]``: the prompts followed by the engine's tokens (n: the fewest any prompt has, at least
+    ``max_tokens``), and the prompts' one length P: ``draft_hits``' input."""
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1:
         raise ValueError(f"prompts: expected one length, received {sorted(lengths)}")
     width = min(len(t) for t in token_ids)
     if width < max_tokens:
         raise ValueError(f"token_ids: expected at least max_tokens={max_tokens} per prompt, received {width}")
-    sequences = torch.tensor([list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)], dtype=torch.long)
-    prompt = lengths.pop()
-    hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, recycle, start_embedding)
-    return replay(hits, prompt, max_tokens, agreement)
+    rows = [list(p) + list(t[:width]) for p, t in zip(prompts, token_ids)]
+    return torch.tensor(rows, dtype=torch.long), lengths.pop()
