@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
 from benchmarks.acceptance import engine_report
 from benchmarks.acceptance.engine_run import run_engine
 from benchmarks.acceptance.settings import SETTINGS
