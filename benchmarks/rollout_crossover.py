@@ -38,13 +38,14 @@ BATCHES = (1, 4, 16)
 
 def _folder(hidden: int, layers: int, vocab: int) -> tuple[Path, int]:
     """An HF folder of a random MiMo-shaped model with one MTP layer, and its parameter count."""
-    from benchmarks.acceptance.engine_measure import write_checkpoint
-    from mtp_hooks.testing.engine_models import shape
+    from mtp_hooks.export import mtp_hf_weights
+    from mtp_hooks.testing import engine_models as em
 
-    model = shape("mimo", 1, hidden_size=hidden, num_layers=layers, vocab_size=vocab).build(0)
+    model = em.shape("mimo", 1, hidden_size=hidden, num_layers=layers, vocab_size=vocab).build(0)
     params = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("mtp."))
     folder = Path(tempfile.mkdtemp(prefix=f"crossover-h{hidden}-l{layers}-"))
-    write_checkpoint(folder, model, vocab)
+    pairs = list(em.main_hf_pairs(model, "mimo")) + list(mtp_hf_weights(model, "mimo"))
+    em.write_folder(folder, "mimo", model.config, pairs, vocab, torch.float32)
     del model
     return folder, params
 
