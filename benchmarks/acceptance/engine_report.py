@@ -6,9 +6,10 @@ give the mean over seeds with its 95 % interval. The verdict (``verdict``) is co
 
 * a confident policy: the frozen draft's position-1 acceptance before RL >= ``CONFIDENT`` in every seed;
 * prediction: mean |predicted - engine| per draft position over every variant, k, step and seed; goal <= ``GOAL``;
-* no harm: no trained variant on vLLM's schedule below frozen by more than ``HARM`` at any k in any seed;
-* the gain at the largest k: each trained variant's mean over seeds against frozen, goal >= 0, or >= ``FAR_GAIN``
-  from ``FAR_RL_LR`` (a policy that moves far);
+* no harm: no variant trained on vLLM's schedule (``on_vllm_schedule``) below frozen by more than ``HARM`` at any k
+  in any seed;
+* the gain at the largest k: each such variant's mean over seeds against frozen, goal >= 0, or >= ``FAR_GAIN``
+  from ``FAR_RL_LR`` (a policy that moves far); the teacher-forced ``ce`` and ``accept`` are reported beside them;
 * the chain pays: each chain trained in the engine's geometry (``+profile``) above ``accept`` at the largest k;
 * the chain geometry: ``<objective>+chain`` against ``<objective>`` at the largest k, per position.
 """
@@ -105,8 +106,14 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def trained(names: list[str]) -> list[str]:
-    """The trained variants on vLLM's schedule (``@per_step``: SGLang's, for contrast)."""
+    """The trained variants but those on another engine's schedule (``@per_step``: SGLang's, for contrast)."""
     return [name for name in names if name != "frozen" and "@" not in name]
+
+
+def on_vllm_schedule(names: list[str]) -> list[str]:
+    """The variants trained on vLLM's schedule, MTP layer 1 for every step (the chains and the profile's); ``ce`` and
+    ``accept`` train the N layers teacher-forced, one per depth, and are reported beside them."""
+    return [name for name in trained(names) if "+chain" in name or "+profile" in name]
 
 
 def _against_frozen(result: dict[str, Any]) -> dict[str, Any]:
@@ -125,9 +132,10 @@ def _against_frozen(result: dict[str, Any]) -> dict[str, Any]:
     goal = FAR_GAIN if result.get("setting", {}).get("rl_lr", 0.0) >= FAR_RL_LR else 0.0
     pays = {name: sum(last(r, name, k, "engine_accept_len") > last(r, "accept", k, "engine_accept_len") for r in runs)
             for name in names if "+profile" in name and "accept" in names}
-    return {"confidence": confidence, "confidence_ok": min(confidence) >= CONFIDENT, "harm": harm,
-            "harm_ok": all(h >= -HARM for h in harm.values()), "gain": gain, "gain_goal": goal,
-            "gain_ok": all(g["mean"] >= goal for g in gain.values()), "chain_pays": pays,
+    scheduled = on_vllm_schedule(names)
+    return {"confidence": confidence, "confidence_ok": min(confidence) >= CONFIDENT, "harm": harm, "scheduled": scheduled,
+            "harm_ok": bool(scheduled) and all(harm[n] >= -HARM for n in scheduled), "gain": gain, "gain_goal": goal,
+            "gain_ok": bool(scheduled) and all(gain[n]["mean"] >= goal for n in scheduled), "chain_pays": pays,
             "chain_pays_ok": bool(pays) and all(n == len(runs) for n in pays.values())}
 
 
@@ -168,10 +176,11 @@ def markdown(result: dict[str, Any]) -> str:
     out.append(f"- Confident policy: the frozen draft's position-1 acceptance before RL at T = {temperature}, per seed "
                f"{', '.join(fmt(c) for c in v['confidence'])} (goal >= {CONFIDENT}: {met(v['confidence_ok'])}).")
     out.append(f"- No harm: the least (trained - frozen) acceptance length over k and seeds, "
-               f"{', '.join(f'`{n}` {h:+.3f}' for n, h in v['harm'].items())} (goal >= -{HARM}: {met(v['harm_ok'])}).")
+               f"{', '.join(f'`{n}` {h:+.3f}' for n, h in v['harm'].items())} (goal >= -{HARM} for those on vLLM's "
+               f"schedule, {', '.join(f'`{n}`' for n in v['scheduled'])}: {met(v['harm_ok'])}).")
     out.append(f"- Gain over frozen at k = {k}, mean [95 % interval]: " + ", ".join(
         f"`{n}` {g['mean']:+.3f}" + ("" if g["low"] != g["low"] else f" [{g['low']:+.3f}, {g['high']:+.3f}]") for n, g in v["gain"].items())
-        + f" (goal >= {v['gain_goal']}: {met(v['gain_ok'])}).")
+        + f" (goal >= {v['gain_goal']} for those on vLLM's schedule: {met(v['gain_ok'])}).")
     if v["chain_pays"]:
         out.append(f"- The engine-geometry chain above `accept` at k = {k}: " + ", ".join(
             f"`{n}` in {c}/{v['seeds']} seeds" for n, c in v["chain_pays"].items()) + f" ({met(v['chain_pays_ok'])}).")

@@ -132,9 +132,13 @@ def test_verdict_holds_the_trained_drafts_to_no_harm_and_the_gain_goal_of_their_
     assert gain["low"] < gain["mean"] < gain["high"] and gain["per_seed"][2] == pytest.approx(gain["per_seed"][0] - 0.02)
     far = engine_report.verdict(_issue_result([0.72, 0.52], [0.74, 0.55], rl_lr=1e-3))
     assert far["gain_goal"] == engine_report.FAR_GAIN and not far["gain_ok"]  # gains of about 0.05, not 0.3
-    harmed = engine_report.verdict(_issue_result([0.62, 0.5], [0.74, 0.55], rl_lr=3e-4))  # accept 0.08 below frozen at k = 1
-    assert not harmed["harm_ok"] and harmed["harm"]["accept"] == pytest.approx(-0.1)
-    assert "goal >= -0.05: NOT met" in engine_report.markdown(_issue_result([0.62, 0.5], [0.74, 0.55], rl_lr=3e-4))
+    # Teacher-forced accept 0.08 below frozen at k = 1 (0.1 in the last seed): reported, not on vLLM's schedule.
+    teacher_forced = engine_report.verdict(_issue_result([0.62, 0.5], [0.74, 0.55], rl_lr=3e-4))
+    assert teacher_forced["scheduled"] == ["accept+profile"] and teacher_forced["harm"]["accept"] == pytest.approx(-0.1)
+    assert teacher_forced["harm_ok"]
+    harmed = engine_report.verdict(_issue_result([0.72, 0.52], [0.62, 0.5], rl_lr=3e-4))  # the profile's chain below
+    assert not harmed["harm_ok"] and harmed["harm"]["accept+profile"] == pytest.approx(-0.1)
+    assert "NOT met" in engine_report.markdown(_issue_result([0.72, 0.52], [0.62, 0.5], rl_lr=3e-4)).split("No harm")[1].split("\n")[0]
 
 
 def test_verdict_needs_a_confident_policy_before_rl() -> None:
