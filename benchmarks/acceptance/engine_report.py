@@ -10,7 +10,7 @@ give the mean over seeds with its 95 % interval. The verdict (``verdict``) is co
   in any seed;
 * the gain at the largest k: each such variant's mean over seeds against frozen, goal >= 0, or >= ``FAR_GAIN``
   from ``FAR_RL_LR`` (a policy that moves far); the teacher-forced ``ce`` and ``accept`` are reported beside them;
-* the chain pays: each chain trained in the engine's geometry (``+profile``) above ``accept`` at the largest k;
+* the chain pays: a chain trained in the engine's geometry (``+profile``) above ``accept`` at the largest k in every seed;
 * the chain geometry: ``<objective>+chain`` against ``<objective>`` at the largest k, per position.
 """
 
@@ -136,7 +136,7 @@ def _against_frozen(result: dict[str, Any]) -> dict[str, Any]:
     return {"confidence": confidence, "confidence_ok": min(confidence) >= CONFIDENT, "harm": harm, "scheduled": scheduled,
             "harm_ok": bool(scheduled) and all(harm[n] >= -HARM for n in scheduled), "gain": gain, "gain_goal": goal,
             "gain_ok": bool(scheduled) and all(gain[n]["mean"] >= goal for n in scheduled), "chain_pays": pays,
-            "chain_pays_ok": bool(pays) and all(n == len(runs) for n in pays.values())}
+            "chain_pays_ok": any(n == len(runs) for n in pays.values())}  # one engine-geometry chain in every seed
 
 
 def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, seeds: int, delta: dict[int, float]) -> str:
