@@ -91,14 +91,14 @@ def _push(sync: VLLMSync, model: nn.Module, main: bool) -> None:
 
 
 def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: int, extra: int,
-           temperature: float, seed: int) -> tuple[list[Any], list[float], list[float]]:
+           temperature: float, seeds: list[int]) -> tuple[list[Any], list[float], list[float]]:
     """Per snapshot the target's greedy tokens (``tokens + extra``), and the wall seconds of ``tokens`` without
-    speculation greedily and at ``temperature``."""
+    speculation greedily and at ``temperature`` (the snapshot's seeds)."""
     llm = start_vllm(str(folder), 0, dtype="float32")
     truth, greedy_seconds, sampled_seconds = [], [], []
     try:
         sync = VLLMSync(llm)
-        for snap in snapshots:
+        for snap, seed in zip(snapshots, seeds):
             model.load_state_dict(next(iter(snap.states.values())))  # the main weights are every variant's
             _push(sync, model, main=True)
             prompts = snap.prompts.tolist()
@@ -185,7 +185,7 @@ def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Call
     model.load_state_dict(next(iter(snapshots[0].states.values())))
     write_checkpoint(folder, model, setting.vocab)
     seeds = [_seed(setting, snap) for snap in snapshots]
-    truth, greedy_seconds, sampled_seconds = _plain(folder, model, snapshots, tokens, steps, temperature, seeds[0])
+    truth, greedy_seconds, sampled_seconds = _plain(folder, model, snapshots, tokens, steps, temperature, seeds)
     names = list(snapshots[0].states)
     variants: dict[str, dict[str, dict[str, list[Any]]]] = {name: {} for name in names}
     for k in range(1, steps + 1):
