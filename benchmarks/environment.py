@@ -26,6 +26,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def machine() -> str:
+    """The CPU model and the core count, as the engine benchmarks' records head them."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages, as the engine benchmarks' records write them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def environment(config: Config) -> dict[str, Any]:
     """Date, Python / torch / megatron-core / mtp_hooks / verl versions, CPU model, cores, threads, load, GPU if any."""
     env: dict[str, Any] = {

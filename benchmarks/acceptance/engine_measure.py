@@ -67,7 +67,7 @@ class Snapshot:
 ENGINE_LAYER = "model.mtp_layers.0."  # the one MTP layer vLLM 0.32 runs (MiMo's names)
 
 
-def _pairs(model: nn.Module, main: bool) -> list[tuple[str, Tensor]]:
+def engine_pairs(model: nn.Module, main: bool) -> list[tuple[str, Tensor]]:
     """The main model's tensors, or MTP layer 1's: what the engine holds (module docstring)."""
     if main:
         return list(em.main_hf_pairs(model, FAMILY))
@@ -76,15 +76,16 @@ def _pairs(model: nn.Module, main: bool) -> list[tuple[str, Tensor]]:
 
 def write_checkpoint(folder: Path, model: nn.Module, vocab: int) -> Path:
     """The float32 HF folder the engines start from: main model and MTP layer 1, declared as one MTP layer."""
-    em.write_folder(folder, FAMILY, model.config, _pairs(model, True) + _pairs(model, False), vocab, torch.float32)
+    em.write_folder(folder, FAMILY, model.config, engine_pairs(model, True) + engine_pairs(model, False), vocab, torch.float32)
     config = json.loads((folder / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
-def _push(sync: VLLMSync, model: nn.Module, main: bool) -> None:
-    pairs = _pairs(model, main)
+def push_checked(sync: VLLMSync, model: nn.Module, main: bool) -> None:
+    """``model``'s main tensors (or MTP layer 1's) pushed into the engine, then checked there."""
+    pairs = engine_pairs(model, main)
     role = "target" if main else "draft"
     sync.push(pairs, model=role)
     sync.check(pairs, model=role)
@@ -100,7 +101,7 @@ def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: in
         sync = VLLMSync(llm)
         for snap, seed in zip(snapshots, seeds):
             model.load_state_dict(next(iter(snap.states.values())))  # the main weights are every variant's
-            _push(sync, model, main=True)
+            push_checked(sync, model, main=True)
             prompts = snap.prompts.tolist()
             greedy_seconds.append(generate_greedy(llm, prompts, tokens).seconds)
             truth.append(generate_greedy(llm, prompts, tokens + extra).token_ids)
@@ -195,10 +196,10 @@ def measure(setting: Setting, snapshots: list[Snapshot], folder: Path, log: Call
             for snap, seed, full, greedy_plain, sampled_plain in zip(snapshots, seeds, truth, greedy_seconds, sampled_seconds):
                 prompts = snap.prompts.tolist()
                 model.load_state_dict(snap.states[names[0]])
-                _push(sync, model, main=True)
+                push_checked(sync, model, main=True)
                 for name in names:
                     model.load_state_dict(snap.states[name])
-                    _push(sync, model, main=False)
+                    push_checked(sync, model, main=False)
                     greedy = generate_greedy(llm, prompts, tokens)
                     same = greedy.token_ids == tuple(t[:tokens] for t in full)
                     greedy_predicted = _predict(model, k, prompts, full, tokens, diagnostics=False)[0]

@@ -31,7 +31,7 @@ from torch import Tensor
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
 from benchmarks.acceptance import report
-from benchmarks.acceptance.arms import assert_same_policy, grpo_batch, make_arm, release, rl_banner, rl_step
+from benchmarks.acceptance.arms import Arm, assert_same_policy, grpo_batch, make_arm, release, rl_banner, rl_step
 from benchmarks.acceptance.chain import parse_variant
 from benchmarks.acceptance.engine_measure import Snapshot, measure
 from benchmarks.acceptance.experiment import TASKS
@@ -68,8 +68,29 @@ def engine_options(name: str, steps: int) -> dict[str, Any]:
     return options
 
 
-def _state(model: torch.nn.Module) -> dict[str, Any]:
+def state_of(model: torch.nn.Module) -> dict[str, Any]:
+    """A copy of ``model``'s state dict, detached from its parameters."""
     return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in model.state_dict().items()}
+
+
+def run_grpo(setting: Setting, task: Any, arms: list[Arm], gen: torch.Generator, on_eval: Callable[[int], None],
+             log: Callable[[str], None] = print) -> list[float]:
+    """``setting.rl_steps`` GRPO steps at the rollouts' T, one batch for every arm (their main parameters checked
+    bit-identical after each step); ``on_eval(step)`` every ``eval_every`` steps and at the last. The mean rewards."""
+    temperature = setting.temperatures[0]
+    rewards: list[float] = []
+    policy = lambda tokens: forward(arms[0].model, tokens)  # noqa: E731  (same main params in all)
+    log(rl_banner(setting, temperature))
+    for step in range(1, setting.rl_steps + 1):
+        rollouts, advantages, reward = grpo_batch(task, setting, policy, gen, temperature)
+        rewards.append(reward)
+        for arm in arms:
+            rl_step(arm, rollouts, advantages, setting.prompt)
+        assert_same_policy(arms, step)
+        if step % setting.eval_every == 0 or step == setting.rl_steps:
+            on_eval(step)
+            log(f"  step {step:>4}: reward {rewards[-1]:.3f}")
+    return rewards
 
 
 def run_seed(setting: Setting, folder: Path, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -83,23 +104,12 @@ def run_seed(setting: Setting, folder: Path, cache: Path, log: Callable[[str], N
     rollout_gen = torch.Generator().manual_seed(setting.seed + 2)
     eval_gen = torch.Generator().manual_seed(setting.seed + 3)
     snapshots: list[Snapshot] = []
-    rewards: list[float] = []
-    policy = lambda tokens: forward(arms[0].model, tokens)  # noqa: E731  (same main params in all)
 
     def snapshot(step: int) -> None:
-        snapshots.append(Snapshot(step, task.prompts(setting.eval_rollouts, "eval", eval_gen), {arm.name: _state(arm.model) for arm in arms}))
+        snapshots.append(Snapshot(step, task.prompts(setting.eval_rollouts, "eval", eval_gen), {arm.name: state_of(arm.model) for arm in arms}))
 
-    log(rl_banner(setting, temperature))
     snapshot(0)
-    for step in range(1, setting.rl_steps + 1):
-        rollouts, advantages, reward = grpo_batch(task, setting, policy, rollout_gen, temperature)
-        rewards.append(reward)
-        for arm in arms:
-            rl_step(arm, rollouts, advantages, setting.prompt)
-        assert_same_policy(arms, step)
-        if step % setting.eval_every == 0 or step == setting.rl_steps:
-            snapshot(step)
-            log(f"  step {step:>4}: reward {rewards[-1]:.3f} (snapshot for the engine)")
+    rewards = run_grpo(setting, task, arms, rollout_gen, snapshot, log)
     release(arms)
     rl_seconds = time.perf_counter() - started
     measured = measure(setting, snapshots, folder, log)
