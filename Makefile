@@ -7,7 +7,7 @@ PY          := $(VENV)/bin/python
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export TORCH_INDEX
 
-.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check engine-env test-engine engine-sync-bench acceptance-engine
+.PHONY: venv test demo examples bench acceptance clean matrix matrix-envs bridges-env test-bridges test-megatron-bridge verl-env verl-env-py311 test-verl install-check engine-env test-engine engine-sync-bench acceptance-engine rollout-speed
 
 # The README's pip path (scripts/venv.sh), which keeps a $(VENV) that already holds the pinned stack:
 # after the pip path by hand, the first make only writes the stamp.
@@ -97,6 +97,9 @@ test-engine: engine-env venv  ## the engine tests (tests/engine): exported draft
 
 acceptance-engine: engine-env  ## the word task's RL run measured by vLLM at the rollouts' T (T = 0 beside it): engine vs the trainer's prediction per variant and k = 1..3, 3 seeds (ACCEPTANCE_ARGS=--quick: one seed, ~3 min; --set rl_lr=0.001; --task code)
 	$(ENGINE_PRELOAD) HF_HUB_OFFLINE=1 $(ENGINE_PY) -m benchmarks.acceptance --engine vllm $(ACCEPTANCE_ARGS)
+
+rollout-speed: engine-env  ## what a trained draft saves in rollout time: vLLM generating the word task's rollouts without speculation, with the frozen draft and with the one trained in a short GRPO run, 3 seeds (ROLLOUT_SPEED_ARGS=--quick: one seed; not in CI)
+	$(ENGINE_PRELOAD) HF_HUB_OFFLINE=1 $(ENGINE_PY) -m benchmarks.rollout_speed --config $(ENGINE_CONFIG) $(ROLLOUT_SPEED_ARGS)
 
 engine-sync-bench: engine-env  ## seconds and bytes per push into the engine: the MTP layers against the whole model
 	$(ENGINE_PRELOAD) $(ENGINE_PY) -m benchmarks.engine_sync $(ENGINE_SYNC_ARGS)
