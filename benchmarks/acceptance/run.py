@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -14,13 +13,11 @@ from typing import Optional
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|tp_group is None|ffn_hidden_size|full scope).*")
 
-import torch  # noqa: E402
-
 import benchmarks.acceptance  # noqa: E402
 from benchmarks import models  # noqa: E402
 from benchmarks.acceptance import report  # noqa: E402
 from benchmarks.acceptance.experiment import CACHE, TASKS, run_task  # noqa: E402
-from benchmarks.acceptance.settings import SETTINGS, Setting, config, overrides  # noqa: E402
+from benchmarks.acceptance.settings import SETTINGS, Setting, config, controlled, overrides  # noqa: E402
 
 SEEDS = (0, 1, 2)
 DEFAULT_OUT = Path("bench-out/acceptance")
@@ -58,10 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     seeds = tuple(int(x) for x in args.seeds.split(",") if x.strip()) if args.seeds is not None else default_seeds
     if not seeds:
         parser.error("--seeds needs at least one seed")
-    torch.set_num_threads(args.threads)
-    if setting.device != "cpu":  # the controlled experiment needs bit-identical main updates in every variant
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    controlled(setting, args.threads)
     started = time.perf_counter()
     if args.engine:
         return _engine(setting, seeds, args, name, started)

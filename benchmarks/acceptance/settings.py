@@ -10,6 +10,7 @@ sizes on the CPU: ``--config gpu --set device=cpu,hidden=32,...``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import torch
@@ -143,6 +144,15 @@ SETTINGS["words"]["speed-smoke"] = dataclasses.replace(_SPEED, hidden=64, layers
 SETTINGS["code"]["chain-smoke"] = dataclasses.replace(SETTINGS["code"]["smoke"], mtp=1, chain=3, temperatures=(1.0,), variants=CHAIN_VARIANTS)
 
 
+def controlled(setting: Setting, threads: int) -> None:
+    """``threads`` intra-op threads and, off the CPU, deterministic kernels: the controlled experiment needs
+    bit-identical main updates in every variant."""
+    torch.set_num_threads(threads)
+    if setting.device != "cpu":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def config(setting: Setting) -> Config:
     shape = shape_of(setting)
     return Config(
@@ -157,7 +167,8 @@ def build_model(setting: Setting, seed: int = 1234) -> Any:
     if setting.family == "mimo":
         from mtp_hooks.testing.engine_models import shape
 
-        return shape("mimo", setting.mtp, hidden_size=setting.hidden, num_layers=setting.layers, vocab_size=setting.vocab).build(seed)
+        model = shape("mimo", setting.mtp, hidden_size=setting.hidden, num_layers=setting.layers, vocab_size=setting.vocab).build(seed)
+        return model if setting.device == "cpu" else model.to(setting.device)
     if setting.family != "gpt":
         raise ValueError(f"family: expected 'gpt' or 'mimo', received {setting.family!r}")
     return models.build(config(setting), shape_of(setting), setting.mtp, seed=seed)

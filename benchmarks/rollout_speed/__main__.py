@@ -9,18 +9,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
 import time
 from datetime import date
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 from benchmarks import models
 from benchmarks.acceptance.experiment import CACHE
 from benchmarks.acceptance.report import versions
-from benchmarks.acceptance.settings import SETTINGS, build_model, config, overrides
+from benchmarks.acceptance.settings import SETTINGS, build_model, config, controlled, overrides
 from benchmarks.environment import load_average, machine
 from benchmarks.rollout_speed import report
 from benchmarks.rollout_speed.run import run
@@ -52,10 +50,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rounds = args.rounds or (3 if args.quick else 5)
     if not seeds or rounds < 1 or args.batch < 1:
         parser.error("--seeds needs a seed, --rounds and --batch at least 1")
-    torch.set_num_threads(args.threads)
-    if setting.device != "cpu":  # the controlled experiment needs bit-identical main updates in every variant
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    controlled(setting, args.threads)
     started = time.perf_counter()
     meta = {"machine": machine(), "date": date.today().isoformat(), "load_before": load_average(), "mode": name}
     with contextlib.ExitStack() as stack:
