@@ -29,7 +29,7 @@ from mtp_hooks.models import STATE_KEY, find_language_model
 from mtp_hooks.options import AcceptRule, DraftGeometry, DraftInputs, DraftLayers, DraftRecycle, LossImpl, MTPInput
 from mtp_hooks.options import Objective
 from mtp_hooks.options import Options, Output
-from mtp_hooks.options import StepWeights
+from mtp_hooks.options import StartEmbedding, StepWeights
 from mtp_hooks.profiles import EngineProfile, merged_options
 
 
@@ -53,6 +53,7 @@ def attach(
     draft_recycle: DraftRecycle = "normed",
     draft_step_weights: Optional[StepWeights] = None,
     mtp_input: MTPInput = "decoder_output",
+    start_embedding: StartEmbedding = "kept",
     output: Output = "logits",
     entropy: bool = False,
     temperature: float = 1.0,
@@ -148,6 +149,10 @@ def attach(
         mtp_input: which hidden state of the main model MTP layer 1 reads: ``"decoder_output"`` (after the
             decoder's final norm, as mcore trains it) or ``"pre_final_norm"`` (the norm's input, as vLLM's MiMo
             drafter reads it); the main head reads the normed output either way.
+        start_embedding: the token embedding MTP layer 1 reads at each sequence's position 0 in draft step 1:
+            ``"kept"`` (mcore's) or ``"zeroed"`` (zeros, as vLLM's DeepSeek-V3, GLM-4.5 and MiMo drafters feed it,
+            so the draft's attention back to the sequence's start reads what the engine computes there;
+            ``features.start_embedding``).
         output: ``"logits"`` (mcore's own ``[b, s, V/tp]``) or ``"logprobs"``: a
             ``TokenLogProbs(logprobs, entropy)`` of ``[b, s]`` tensors, the main head's
             log-probabilities of the labels computed in chunks without ``[b, s, V]`` logits;
@@ -167,7 +172,7 @@ def attach(
             ``micro_batch(loss_scale=)``.
         engine: the rollout engine the draft is for (``mtp_hooks.profiles.vllm("0.32", family, k)``, ``sglang``,
             ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
-            ``mtp_input``, ``draft_geometry`` and ``draft_recycle`` as that engine drafts; one of them also given
+            ``mtp_input``, ``draft_geometry``, ``draft_recycle`` and ``start_embedding`` as that engine drafts; one of them also given
             with another value is refused. ``predict_engine_acceptance`` takes the same profile.
 
     Returns:

@@ -16,6 +16,7 @@ DraftLayers = Literal["per_step", "first", "cyclic"]  # which MTP layer runs dra
 DraftRecycle = Literal["normed", "unnormed"]  # what step j + 1 reads of step j: after or before its final norm
 DraftGeometry = Literal["chain", "engine"]  # what steps 2..k attend over (``features.engine_geometry``)
 MTPInput = Literal["decoder_output", "pre_final_norm"]  # which main-model state MTP layer 1 reads
+StartEmbedding = Literal["kept", "zeroed"]  # the token embedding MTP layer 1 reads at a sequence's position 0
 StepWeights = Union[float, Sequence[float]]  # a decay beta (step j weighs beta ** (j - 1)), or one weight per step
 
 LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
@@ -25,6 +26,7 @@ DRAFT_LAYERS: tuple[str, ...] = get_args(DraftLayers)
 MTP_INPUTS: tuple[str, ...] = get_args(MTPInput)
 DRAFT_GEOMETRIES: tuple[str, ...] = get_args(DraftGeometry)
 DRAFT_RECYCLES: tuple[str, ...] = get_args(DraftRecycle)
+START_EMBEDDINGS: tuple[str, ...] = get_args(StartEmbedding)
 
 
 def _is_real(value: Any) -> bool:
@@ -60,6 +62,9 @@ class Options:
     draft_step_weights: Optional[StepWeights] = None
     # What MTP layer 1 reads of the main model (``features.mtp_input``): its decoder output, or the final norm's input.
     mtp_input: MTPInput = "decoder_output"
+    # The token embedding MTP layer 1 reads at each sequence's position 0 (``features.start_embedding``): mcore's, or
+    # zeros, as vLLM's drafters feed it.
+    start_embedding: StartEmbedding = "kept"
     output: Output = "logits"
     entropy: bool = False
     temperature: float = 1.0
@@ -133,6 +138,9 @@ class Options:
             object.__setattr__(self, "draft_step_weights", _step_weights(self.draft_step_weights))
         if self.mtp_input not in MTP_INPUTS:
             raise bad_argument("mtp_input", " or ".join(map(repr, MTP_INPUTS)), describe(self.mtp_input))
+        if self.start_embedding not in START_EMBEDDINGS:
+            expected = " or ".join(map(repr, START_EMBEDDINGS))
+            raise bad_argument("start_embedding", expected, describe(self.start_embedding))
         if self.output not in OUTPUTS:
             raise bad_argument("output", " or ".join(map(repr, OUTPUTS)), describe(self.output))
         if self.entropy and self.output != "logprobs":

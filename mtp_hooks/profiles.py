@@ -60,7 +60,7 @@ class EngineProfile:
         return dict(
             draft_steps=self.k, draft_layers=self.draft_layers, draft_inputs=self.draft_inputs,
             accept_rule=self.accept_rule, mtp_input=self.mtp_input, draft_geometry=self.draft_geometry,
-            draft_recycle=self.recycle,
+            draft_recycle=self.recycle, start_embedding=self.start_embedding,
         )
 
     def predict_options(self) -> dict[str, Any]:
@@ -76,15 +76,11 @@ def _check(engine: str, family: str, k: Any) -> None:
         raise bad_argument("k", f"the number of tokens {engine} drafts per step, an int >= 1", describe(k))
 
 
-# vLLM's DeepSeek-V3, GLM-4.5 and MiMo drafters replace MTP layer 1's token embedding at position 0 by zeros.
-ZEROED_START = "the token embedding MTP layer 1 reads at each sequence's position 0 is zeroed (training keeps it)"
-
-
 MLA_GEOMETRY = "steps 2..k attend over step 1's cache (MLA: training runs each step over its own states)"
 
 
 def _untrained(geometry: str, draft_geometry: str) -> tuple[str, ...]:
-    return ((MLA_GEOMETRY,) if geometry == "engine" and draft_geometry != "engine" else ()) + (ZEROED_START,)
+    return (MLA_GEOMETRY,) if geometry == "engine" and draft_geometry != "engine" else ()
 
 
 def vllm(version: str, family: str, k: int, mtp_layers: int = 1) -> EngineProfile:

@@ -17,7 +17,7 @@ import torch
 
 import mtp_hooks
 from mtp_hooks.predict import draft_hits, predict_engine_acceptance, replay
-from mtp_hooks.profiles import FAMILIES, MLA_GEOMETRY, ZEROED_START, EngineProfile, megatron, sglang, vllm
+from mtp_hooks.profiles import FAMILIES, MLA_GEOMETRY, EngineProfile, megatron, sglang, vllm
 from mtp_hooks.testing import engine_models as em
 from mtp_hooks.testing import moe_mla_on_cpu
 
@@ -33,6 +33,7 @@ def test_vllm_0_32_drafts_with_layer_1_in_its_cache_geometry_and_each_familys_in
         draft_steps=3, draft_layers="first", draft_inputs="argmax", accept_rule="argmax", mtp_input=mtp_input,
         draft_geometry="chain" if family == "deepseek_v3" else "engine",  # MLA: not in the engine's geometry yet
         draft_recycle="unnormed" if family == "glm4_moe" else "normed",
+        start_embedding="zeroed",  # vLLM's drafters zero MTP layer 1's token embedding at position 0: trained so
     )
     assert profile.predict_options() == dict(
         mtp_input=mtp_input,
@@ -40,8 +41,7 @@ def test_vllm_0_32_drafts_with_layer_1_in_its_cache_geometry_and_each_familys_in
         recycle="unnormed" if family == "glm4_moe" else "normed",
         start_embedding="zeroed",  # vLLM's drafters zero MTP layer 1's token embedding at position 0
     )
-    # MLA's geometry: not trained yet; the zeroed embedding at position 0: not trained by any profile
-    assert profile.untrained == ((MLA_GEOMETRY,) if family == "deepseek_v3" else ()) + (ZEROED_START,)
+    assert profile.untrained == ((MLA_GEOMETRY,) if family == "deepseek_v3" else ())  # MLA's geometry: not trained yet
     assert vllm("0.32", family, k=1).draft_geometry == "chain"  # one step: nothing to lay out
     assert vllm("0.34", family, k=3).recycle == "normed"  # 0.34 hands GLM-4.5's normed output on
 
@@ -52,9 +52,9 @@ def test_other_engines_rows() -> None:
                                                                  start_embedding="kept")
     assert megatron("0.19", "mimo", 2).attach_options() == dict(
         draft_steps=2, draft_layers="per_step", draft_inputs="sample", accept_rule="match", mtp_input="decoder_output",
-        draft_geometry="chain", draft_recycle="normed",
+        draft_geometry="chain", draft_recycle="normed", start_embedding="kept",
     )
-    assert vllm("0.32", "mimo", 1).untrained == (ZEROED_START,)  # one step: only the embedding at position 0
+    assert vllm("0.32", "mimo", 1).untrained == ()  # one step: everything vLLM does trains
 
 
 def test_vllm_0_34_with_two_mtp_layers_cycles_them_each_over_its_own_cache() -> None:
@@ -62,7 +62,7 @@ def test_vllm_0_34_with_two_mtp_layers_cycles_them_each_over_its_own_cache() -> 
     assert profile.attach_options()["draft_layers"] == "cyclic" and profile.draft_geometry == "chain"
     assert profile.predict_options() == dict(mtp_input="decoder_output", geometry="chain", recycle="normed",
                                              start_embedding="zeroed")
-    assert profile.untrained == (ZEROED_START,)
+    assert profile.untrained == () and profile.attach_options()["start_embedding"] == "zeroed"
     assert vllm("0.34", "glm4_moe", 1, mtp_layers=2).draft_layers == "first"  # one step: layer 1 alone
     assert vllm("0.34", "glm4_moe", 3).draft_layers == "first"  # one layer: the 0.32 schedule
 
