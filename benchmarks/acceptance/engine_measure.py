@@ -19,7 +19,12 @@ the last one started):
   it, ``predicted_as_trained_accept_j``): the MiMo layout's train / serve skew. At T > 0 the replay is as exact as
   at T = 0: vLLM drafts the argmax and keeps draft j with probability p_T(draft), and a rejected draft's replacement
   is drawn from p_T with the draft's token removed, so draft j was kept exactly where the engine's token there equals
-  it. The T = 0 measurement is the ``greedy_`` fields.
+  it. The T = 0 measurement is the ``greedy_`` fields;
+* beside each sampled measurement, what bounds it (``ceiling_hits``): the acceptance a draft proposing the target's
+  own argmax would get on the same tokens (``ceiling_accept_j``, ``ceiling_accept_len``; no draft does better in
+  expectation under vLLM's argmax rule), and the standard error of the acceptance length over the prompts
+  (``accept_len_se``, from the replay, which counts what the engine counts): how far apart two variants must be
+  before one evaluation can tell them apart.
 
 The checkpoint vLLM starts from is written in float32 (the engine computes in float32), so at T = 0
 the engine and the fp32 trainer pick the same argmax. It declares one MTP layer, the trainer's layer
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 import mtp_hooks
+from benchmarks.acceptance.drafts import positions
 from benchmarks.acceptance.settings import Setting, build_model
 from mtp_hooks.engine import VLLMSync, generate_greedy, generate_sampled, start_vllm, stop_vllm
 from mtp_hooks.export import mtp_hf_weights
@@ -111,24 +117,61 @@ def _plain(folder: Path, model: nn.Module, snapshots: list[Snapshot], tokens: in
     return truth, greedy_seconds, sampled_seconds
 
 
-def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int, diagnostics: bool) -> tuple[Any, dict[str, Any]]:
+def ceiling_hits(model: nn.Module, sequences: Tensor, k: int) -> Tensor:
+    """``draft_hits``' ``[k, b, s]`` for a draft proposing the target's own argmax: step j at t proposes the token the
+    target would pick at t + j + 1 after the true prefix, so it hits where ``sequences`` holds the target's argmax there.
+    Under vLLM's rule (keep draft j with probability p_T(draft)) no draft is kept more often: the ceiling."""
+    device = next(model.parameters()).device
+    hooks = mtp_hooks.attach(model)  # a forward without labels: the main head's logits, the MTP block skipped
+    try:
+        with torch.no_grad():
+            ids = sequences.to(device)
+            logits = model(ids, positions(ids), None)
+    finally:
+        hooks.remove()
+    own = (logits[:, :-1].argmax(-1).cpu() == sequences[:, 1:])  # [b, s - 1]: token t + 1 is the argmax after t
+    b, s = sequences.shape
+    hits = torch.zeros(k, b, s, dtype=torch.bool)
+    for j in range(1, k + 1):
+        hits[j - 1, :, : s - j - 1] = own[:, j : s - 1]
+    return hits
+
+
+def length_se(hits: Tensor, prompt: int, tokens: int) -> float:
+    """The standard error over prompts of the mean acceptance length ``replay`` counts from ``hits`` (a ratio of sums:
+    accepted drafts over verification steps, prompt by prompt; the delta method)."""
+    rows = [replay(hits[:, r : r + 1], prompt, tokens) for r in range(hits.shape[1])]
+    if len(rows) < 2:
+        return float("nan")
+    drafts = torch.tensor([float(row.drafts) for row in rows])
+    accepted = torch.tensor([float(sum(row.accepted_per_position)) for row in rows])
+    ratio = accepted.sum() / drafts.sum()
+    n = len(rows)
+    return float(((accepted - ratio * drafts).pow(2).sum() / (n * (n - 1))).sqrt() / drafts.mean())
+
+
+def _predict(model: nn.Module, k: int, prompts: list[list[int]], truth: Any, tokens: int,
+             diagnostics: bool) -> tuple[Replay, dict[str, Replay], Tensor]:
     """The prediction as vLLM drafts: the hidden state its MiMo drafter reads (before the final norm), the token
-    embedding zeroed at position 0, steps 2..k one token at a time over the draft's cache (``geometry="engine"``).
-    With ``diagnostics`` also, by record prefix, the same with one of those left as the hooks train it: the MTP
-    input after the norm (``as_trained``: the layout's skew), the embedding kept at position 0 (``kept_start``), and
-    the hooks' own chain geometry (``chain``: every step over the whole sequence, as ``mtp_j/accept`` measures)."""
+    embedding zeroed at position 0, steps 2..k one token at a time over the draft's cache (``geometry="engine"``), and
+    its hits (``draft_hits``). With ``diagnostics`` also, by record prefix, the same with one of those left as the
+    hooks train it: the MTP input after the norm (``as_trained``: the layout's skew), the embedding kept at position 0
+    (``kept_start``), and the hooks' own chain geometry (``chain``: every step over the whole sequence, as
+    ``mtp_j/accept`` measures)."""
     hooks = mtp_hooks.attach(model, draft_steps=k, **ENGINE_RULE)
     sequences, prompt = engine_sequences(prompts, truth, tokens)
 
-    def predict(mtp_input: str = ENGINE_MTP_INPUT, geometry: str = "engine", start: str = ENGINE_START) -> Replay:
+    def predict(mtp_input: str = ENGINE_MTP_INPUT, geometry: str = "engine", start: str = ENGINE_START) -> tuple[Replay, Tensor]:
         hits, agreement = draft_hits(model, hooks, sequences, prompt, mtp_input, geometry, "normed", start)
-        return replay(hits, prompt, tokens, agreement)
+        return replay(hits, prompt, tokens, agreement), hits
 
     try:
+        predicted, hits = predict()
         if not diagnostics:
-            return predict(), {}
-        return predict(), {"as_trained": predict(mtp_input="decoder_output"), "kept_start": predict(start="kept"),
-                           "chain": predict(geometry="chain")}
+            return predicted, {}, hits
+        others = {"as_trained": predict(mtp_input="decoder_output")[0], "kept_start": predict(start="kept")[0],
+                  "chain": predict(geometry="chain")[0]}
+        return predicted, others, hits
     finally:
         hooks.remove()
 
@@ -167,9 +210,15 @@ def _sampled_row(llm: Any, model: nn.Module, k: int, prompts: list[list[int]], t
     ``tokens`` tokens are the run's (``replay_prefix_equal``: the share of prompts where they are)."""
     measured = generate_sampled(llm, prompts, tokens, temperature, seed)
     longer = generate_sampled(llm, prompts, tokens + k, temperature, seed).token_ids
-    predicted, diagnostics = _predict(model, k, prompts, longer, tokens, diagnostics=True)
+    predicted, diagnostics, hits = _predict(model, k, prompts, longer, tokens, diagnostics=True)
     row = record_row(k, measured, predicted, plain, same, diagnostics)
     row["replay_prefix_equal"] = sum(a == b[:tokens] for a, b in zip(measured.token_ids, longer)) / len(prompts)
+    sequences, prompt = engine_sequences(prompts, longer, tokens)
+    bound = ceiling_hits(model, sequences, k)
+    ceiling = replay(bound, prompt, tokens)
+    row.update({f"ceiling_accept_{j}": ceiling.per_position[j - 1] for j in range(1, k + 1)})
+    row["ceiling_accept_len"] = ceiling.mean_length
+    row["accept_len_se"] = length_se(hits, prompt, tokens)
     return row
 
 

@@ -11,7 +11,10 @@ give the mean over seeds with its 95 % interval. The verdict (``verdict``) is co
 * the gain at the largest k: each such variant's mean over seeds against frozen, goal >= 0, or >= ``FAR_GAIN``
   from ``FAR_RL_LR`` (a policy that moves far); the teacher-forced ``ce`` and ``accept`` are reported beside them;
 * the chain pays: a chain trained in the engine's geometry (``+profile``) above ``accept`` at the largest k in every seed;
-* the chain geometry: ``<objective>+chain`` against ``<objective>`` at the largest k, per position.
+* the chain geometry: ``<objective>+chain`` against ``<objective>`` at the largest k, per position;
+* the room left (``room``, where recorded): the ceiling (a draft proposing the target's own argmax, on the same
+  tokens) against each variant at the largest k, and each chain's margin over ``accept`` per seed in units of the two
+  evaluations' combined standard error over prompts: a margin under 2 is one no single evaluation can decide.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
             "greedy_prediction_gap": gaps(result, "greedy_predicted_accept", "greedy_engine_accept"),
             "chain_geometry_gap": gaps(result, "predicted_chain_accept"),
             "step1_gap": step1_gap(result), "skew_gap": step1_gap(result, "predicted_as_trained_accept_1"),
-            "start_gap": step1_gap(result, "predicted_kept_start_accept_1"), "lossless": lossless, "chains": chains}
+            "start_gap": step1_gap(result, "predicted_kept_start_accept_1"), "lossless": lossless, "chains": chains,
+            "room": room(result)}
 
 
 def trained(names: list[str]) -> list[str]:
@@ -137,6 +141,26 @@ def _against_frozen(result: dict[str, Any]) -> dict[str, Any]:
             "harm_ok": bool(scheduled) and all(harm[n] >= -HARM for n in scheduled), "gain": gain, "gain_goal": goal,
             "gain_ok": bool(scheduled) and all(gain[n]["mean"] >= goal for n in scheduled), "chain_pays": pays,
             "chain_pays_ok": any(n == len(runs) for n in pays.values())}  # one engine-geometry chain in every seed
+
+
+def room(result: dict[str, Any]) -> dict[str, Any]:
+    """At the largest k, per variant: the mean ceiling and the mean (ceiling - engine) over seeds, the mean standard
+    error of one evaluation; per engine-geometry chain and seed, (chain - ``accept``) / sqrt(se_chain^2 + se_accept^2).
+    Empty where the record has no ceiling (runs before it was measured)."""
+    runs, k = result["runs"], steps_of(result)
+    names = list(runs[0]["variants"])
+    if any("ceiling_accept_len" not in r["variants"][n][f"k{k}"] for r in runs for n in names):
+        return {}
+    mean = lambda n, f: spread([last(r, n, k, f) for r in runs])["mean"]  # noqa: E731
+    ceiling = {n: mean(n, "ceiling_accept_len") for n in names}
+    left = {n: spread([last(r, n, k, "ceiling_accept_len") - last(r, n, k, "engine_accept_len") for r in runs])["mean"] for n in names}
+    margins = {}
+    if "accept" in names:
+        for name in (n for n in names if "+profile" in n):
+            margins[name] = [(last(r, name, k, "engine_accept_len") - last(r, "accept", k, "engine_accept_len"))
+                             / (last(r, name, k, "accept_len_se") ** 2 + last(r, "accept", k, "accept_len_se") ** 2) ** 0.5 for r in runs]
+    se = spread([last(r, n, k, "accept_len_se") for r in runs for n in names])["mean"]
+    return {"k": k, "ceiling": ceiling, "left": left, "se": se, "chain_margin_in_se": margins}
 
 
 def _chain_sentence(name: str, base: str, k: int, length: float, raised: int, seeds: int, delta: dict[int, float]) -> str:
@@ -184,6 +208,15 @@ def markdown(result: dict[str, Any]) -> str:
     if v["chain_pays"]:
         out.append(f"- The engine-geometry chain above `accept` at k = {k}: " + ", ".join(
             f"`{n}` in {c}/{v['seeds']} seeds" for n, c in v["chain_pays"].items()) + f" ({met(v['chain_pays_ok'])}).")
+    if v["room"]:
+        r = v["room"]
+        out.append(f"- What bounds it at k = {k}: a draft proposing the target's own argmax, on each variant's engine tokens, "
+                   f"{fmt(spread(list(r['ceiling'].values()))['mean'])}; left to gain: "
+                   + ", ".join(f"`{n}` {g:+.3f}" for n, g in r["left"].items()) + ".")
+        out.append(f"- One evaluation's standard error over prompts at k = {k}: {r['se']:.3f} on average. The engine-geometry chain "
+                   "minus `accept` per seed, in units of the two evaluations' combined standard error: " + ", ".join(
+                       f"`{n}` " + ", ".join(f"{m:+.1f}" for m in ms) for n, ms in r["chain_margin_in_se"].items())
+                   + " (under 2: one evaluation cannot tell them apart).")
     for name, count in v["trained_above_frozen"].items():
         out.append(f"- `{name}` above `frozen` at every k in {count}/{v['seeds']} seeds.")
     gap = ", ".join(f"position {j}: {g:.4f}" for j, g in v["prediction_gap"].items())

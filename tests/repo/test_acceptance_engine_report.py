@@ -156,3 +156,56 @@ def test_the_95_percent_interval_is_students_over_the_seeds() -> None:
     low, high = interval95([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
     assert (low, high) == (pytest.approx(2 - 4.303 / 3 ** 0.5), pytest.approx(2 + 4.303 / 3 ** 0.5))
     assert all(x != x for x in interval95([1.0]))
+
+
+def test_the_ceiling_hits_where_the_tokens_are_the_targets_argmax() -> None:
+    from benchmarks.acceptance.drafts import positions
+    from benchmarks.acceptance.engine_measure import ceiling_hits
+    from benchmarks.acceptance.settings import SETTINGS, build_model
+
+    import mtp_hooks
+
+    model = build_model(SETTINGS["words"]["engine-smoke"]).eval()
+    greedy = torch.tensor([[1, 2]])
+    hooks = mtp_hooks.attach(model)
+    with torch.no_grad():
+        for _ in range(10):  # the target's own greedy text: every token its argmax
+            greedy = torch.cat([greedy, model(greedy, positions(greedy), None)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    hooks.remove()
+    other = greedy.clone()
+    other[0, 6] = (greedy[0, 6] + 1) % 64  # one token the target did not pick
+    hits = ceiling_hits(model, torch.cat([greedy, other]), k=3)
+    s = greedy.shape[1]
+    for j in range(1, 4):
+        assert hits[j - 1, 0, : s - j - 1].all() and not hits[j - 1, :, s - j - 1 :].any(), j  # past the end: no token to hit
+        # step j at t proposes token t + j + 1: at t = 5 - j it meets the replaced token; the argmax after it is again the
+        # target's own only by chance, so only that one position is pinned
+        assert not hits[j - 1, 1, 5 - j] and hits[j - 1, 1, : 5 - j].all(), j
+    counted = replay(hits[:, :1], prompt=2, max_tokens=8)
+    assert counted.mean_length == 4.0  # every draft kept: k + 1 tokens per verification step
+
+
+def test_the_standard_error_over_prompts_is_the_ratio_estimators() -> None:
+    from benchmarks.acceptance.engine_measure import length_se
+
+    hits = torch.zeros(1, 4, 12, dtype=torch.bool)
+    assert length_se(hits, prompt=2, tokens=8) == 0.0  # every prompt the same
+    hits[0, :2, :] = True  # two prompts keep every draft (4 steps, 4 kept), two none (7 steps, 0 kept)
+    a, d = torch.tensor([4.0, 4.0, 0.0, 0.0]), torch.tensor([4.0, 4.0, 7.0, 7.0])
+    ratio = a.sum() / d.sum()
+    expected = float(((a - ratio * d).pow(2).sum() / 12).sqrt() / d.mean())
+    assert length_se(hits, prompt=2, tokens=8) == pytest.approx(expected) and expected > 0.1
+
+
+def test_the_room_left_puts_the_chains_margin_in_standard_errors() -> None:
+    result = _issue_result([0.72, 0.52], [0.74, 0.55], rl_lr=3e-4)
+    assert engine_report.verdict(result)["room"] == {}  # a record from before the ceiling was measured
+    for run in result["runs"]:
+        for per_k in run["variants"].values():
+            per_k["k2"]["ceiling_accept_len"] = [2.5, 2.5]
+            per_k["k2"]["accept_len_se"] = [0.02, 0.02]
+    room = engine_report.verdict(result)["room"]
+    assert room["ceiling"]["accept"] == 2.5 and room["left"]["frozen"] == pytest.approx(2.5 - 2.2)
+    # profile - accept at k = 2: 0.02 + 0.03 = 0.05 in every seed, over sqrt(2) x 0.02
+    assert room["chain_margin_in_se"]["accept+profile"] == pytest.approx([0.05 / (2 * 0.02 ** 2) ** 0.5] * 3)
+    assert "cannot tell them apart" in engine_report.markdown(result)
