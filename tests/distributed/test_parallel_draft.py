@@ -13,7 +13,8 @@ Function level, the vocabulary-parallel reductions of ``lean_mtp_loss`` (every o
 temperature, T = 0 included) and ``lean_logprobs`` (argmax ties across shards included) against
 dense full-vocabulary references; and with CP=2,
 agreement sums and (per-token loss, mcore <= 0.16.1) summed gradients of ``"distill"`` against the
-whole sequence at CP=1, which needs teachers exchanged across CP ranks.
+whole sequence at CP=1, which needs teachers exchanged across CP ranks; and ``start_embedding="zeroed"``, whose
+position 0 only CP rank 0 holds (and under sequence parallelism only TP rank 0: the case ``zeroed_start``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ CASES: dict[str, dict[str, Any]] = {
     "accept_sampled": dict(objective="accept", accept_rule="sampled", draft_temperature=0.7, chunk_size=5),
     "agreement_cold": dict(agreement_metrics=True, draft_temperature=0.6),
     "logprobs": dict(output="logprobs", entropy=True, temperature=0.8, agreement_metrics=True, chunk_size=6),
+    # vLLM's zeroed token embedding at position 0: under sequence parallelism only the rank holding row 0 zeroes it
+    "zeroed_start": dict(start_embedding="zeroed", agreement_metrics=True),
 }
 
 
@@ -264,6 +267,51 @@ def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positi
     return length
 
 
+def scenario_context_parallel_zeroed_start() -> None:
+    """``start_embedding="zeroed"`` at CP=2 against the whole sequence at CP=1 (``calculate_per_token_loss``): only CP
+    rank 0 holds position 0, so the ranks' token-weighted CE sums and gradients add up to the whole sequence's."""
+    from megatron.core import parallel_state
+
+    from mtp_hooks.testing import init_parallel
+
+    overrides = {"calculate_per_token_loss": True}
+    full = make_batch(VOCAB, batch=2, seq=16, seed=6)
+
+    def step(model: nn.Module, batch: Batch, start: str = "zeroed") -> dict[str, float]:
+        hooks = mtp_hooks.attach(model, start_embedding=start)
+        logits = model(*batch.model_args, labels=batch.labels, loss_mask=batch.loss_mask)
+        per_token = model.compute_language_model_loss(batch.labels, logits.transpose(0, 1).clone(memory_format=torch.contiguous_format))
+        (per_token * batch.loss_mask).sum().backward()
+        metrics = hooks.metrics()
+        hooks.remove()
+        return metrics
+
+    reference = _build(overrides)
+    reference_metrics = step(reference, full)
+    reference_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
+    kept_metrics = step(_build(overrides), full, "kept")
+    assert kept_metrics["mtp_1/loss"] != pytest.approx(reference_metrics["mtp_1/loss"], rel=1e-6)  # the option matters here
+    init_parallel(context_parallel_size=2)
+    cp_group = parallel_state.get_context_parallel_group()
+    index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
+    local = Batch(full.input_ids[:, index], full.position_ids[:, index], full.labels[:, index], full.loss_mask[:, index])
+    model = _build(overrides)
+    metrics = step(model, local)
+    for k in (1, 2):
+        tokens = metrics[f"mtp_{k}/tokens"]
+        sums = torch.tensor([tokens, metrics[f"mtp_{k}/loss"] * tokens if tokens else 0.0], dtype=torch.float64)
+        dist.all_reduce(sums, group=cp_group)
+        ref_tokens = reference_metrics[f"mtp_{k}/tokens"]
+        expected = torch.tensor([ref_tokens, reference_metrics[f"mtp_{k}/loss"] * ref_tokens], dtype=torch.float64)
+        torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-6, msg=lambda m: f"depth {k} (tokens, loss): {m}")
+    if not _mcore.PER_TOKEN_LOSS_RESCALED:
+        for name, parameter in model.named_parameters():
+            grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.detach().clone()
+            dist.all_reduce(grad, group=cp_group)
+            ref = reference_grads.get(name, torch.zeros_like(grad))
+            torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 def scenario_context_parallel_distill(
     gradients: bool, objective: str = "distill", temperature: float = 1.0, accept_rule: str = "argmax"
 ) -> dict[str, float]:
@@ -371,3 +419,7 @@ def test_context_parallel_draft_objectives_add_up_to_the_whole_sequence(
     )
     assert results[0]["mtp_1/tokens"] != results[1]["mtp_1/tokens"]  # each CP rank scores its own half
     assert results[0]["mtp/accept_len"] != pytest.approx(results[1]["mtp/accept_len"], rel=1e-4)
+
+
+def test_context_parallel_zeroed_start_adds_up_to_the_whole_sequence(group: SpawnedGroup) -> None:
+    group.run(scenario_context_parallel_zeroed_start, {})

@@ -193,6 +193,19 @@ def test_the_comparison_catches_mtp_layer_1_fed_the_normed_output() -> None:
         parity.compare(case, hooked, stock, reference)
 
 
+def test_the_comparison_catches_layer_1_embedding_the_start_as_trained() -> None:
+    """The zeroed-start reference changes MTP layer 1's loss and gradients; a hooked twin keeping the start fails it."""
+    _, plain, _ = parity.run_twins(Case(), stock_only=True)
+    case = Case(chain="zeroed_start")
+    _, stock, reference = parity.run_twins(case, stock_only=True)
+    first = "mtp.layers.0.eh_proj.weight"
+    assert not torch.allclose(stock.grads[first], plain.grads[first])
+    hooked, _, _ = parity.run_twins(case, hooked_options={"start_embedding": "kept"})
+    assert hooked is not None
+    with pytest.raises(AssertionError, match="differs|gradient|MTP"):
+        parity.compare(case, hooked, stock, reference)
+
+
 def test_the_comparison_catches_a_chain_fed_the_labels_instead_of_its_drafts() -> None:
     """A hooked chain fed the data's tokens (teacher forcing) fails against the own-draft reference."""
     case = Case(chain="k4_argmax")

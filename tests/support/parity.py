@@ -49,7 +49,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from mtp_hooks.testing import Batch, TinyGPT, context_parallel_positions, fused_wgrad_kernel_on_cpu, hooked_mtp_losses, make_batch
 from mtp_hooks.testing import output_layer_calls, stock_mtp_losses, tracked_mtp_losses
 from tests.support.stock_engine_geometry import stock_engine_steps
-from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, ENGINE, PRE_NORM, STEP_WEIGHTS, UNNORMED, gather_vocab, stock_chain, stock_detaches, step_weights
+from tests.support.stock_references import CHAIN, DEPTH, DETACH_OPTIONS, ENGINE, PRE_NORM, STEP_WEIGHTS, UNNORMED, ZEROED, gather_vocab, stock_chain, stock_detaches, step_weights
 from tests.support.parity_acceptance import ACCEPT, FORBIDDEN_ACCEPT, accept_options, accept_reference, hooked_acceptance, stock_acceptance
 
 VOCAB = 64
@@ -70,7 +70,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "checkpoint": (False, True),
     "micro_batches": ("1", "2", "2_reversed"),
     "chain": ("none", "k2_argmax", "k3", "k4_argmax", "first_k2", "first_k3_argmax", "weighted", "k3_argmax_decay", "pre_norm",
-              "first_k2_argmax_pre_norm", "cyclic_k3_argmax", "k3_unnormed", *ENGINE),
+              "first_k2_argmax_pre_norm", "cyclic_k3_argmax", "k3_unnormed", *ENGINE, *ZEROED),
     "accept": tuple(ACCEPT),
 }
 # The value pairs no case can have, left out of the covering sets: an acceptance rule with the dense loss path
@@ -139,6 +139,8 @@ class Case:
             options.update(draft_geometry="engine")
         if self.chain in UNNORMED:
             options.update(draft_recycle="unnormed")
+        if self.chain in ZEROED:
+            options.update(start_embedding="zeroed")
         options.update(accept_options(self.accept))
         return options
 
@@ -172,6 +174,8 @@ class Case:
             parts.append("MTP layer 1's first call per forward reads the decoder's final norm input (a stock pre-hook)")
         if self.chain in UNNORMED:
             parts.append("every later step reads the previous step's output before the MTP layer's final norm (stock pre-hooks)")
+        if self.chain in ZEROED:
+            parts.append("MTP layer 1's first call per forward embeds zeros where its position_ids are 0 (a stock pre-hook)")
         if self.chain in STEP_WEIGHTS:
             parts.append(f"step weights {step_weights(self.chain)}: stock's i-th MTPLossAutoScaler.apply of a forward hangs w_i x its loss")
         if self.chain in ENGINE:

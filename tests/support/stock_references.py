@@ -39,6 +39,7 @@ CHAIN: dict[str, tuple[Optional[int], str, str]] = {
     "cyclic_k3_argmax": (3, "argmax", "cyclic"),
     "k3_unnormed": (3, "labels", "per_step"),
     "engine_first_k3_argmax_unnormed": (3, "argmax", "first"),
+    "zeroed_start": (None, "labels", "per_step"),
 }
 DEPTH = 2
 # ``draft_step_weights`` of the chain values that set one: per-step weights, or a decay.
@@ -50,6 +51,8 @@ PRE_NORM = ("pre_norm", "first_k2_argmax_pre_norm")
 ENGINE = ("engine_first_k3", "engine_first_k2_argmax_decay", "engine_first_k3_argmax_unnormed")
 # The chain values whose step j + 1 reads step j's output before its final norm (``draft_recycle="unnormed"``).
 UNNORMED = ("k3_unnormed", "engine_first_k3_argmax_unnormed")
+# The chain values whose MTP layer 1 embeds zeros at position 0 in step 1 (``start_embedding="zeroed"``).
+ZEROED = ("zeroed_start",)
 
 
 def step_weights(chain: str) -> Optional[list[float]]:
@@ -122,7 +125,43 @@ def stock_detaches(model: nn.Module, detach: str, steps: int) -> Iterator[None]:
 def stock_chain(model: nn.Module, chain: str) -> Iterator[None]:
     """The draft chain (``stock_steps``), its step weights (``stock_step_weights``) and MTP layer 1's input
     (``stock_pre_norm_input``) on stock mcore."""
-    with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain), stock_recycle(model, chain):
+    with stock_step_weights(chain), stock_steps(model, chain), stock_pre_norm_input(model, chain), stock_recycle(model, chain), \
+            stock_zeroed_start(model, chain):
+        yield
+
+
+@contextlib.contextmanager
+def stock_zeroed_start(model: nn.Module, chain: str) -> Iterator[None]:
+    """``start_embedding="zeroed"`` on stock mcore, by vLLM's own rule (zeros where the position is 0): MTP layer 1's
+    first call per forward gets an embedding whose output rows are zeroed where the call's ``position_ids`` are 0 (this
+    rank's rows of them under sequence parallelism, which splits the embedding's output along the sequence)."""
+    if chain not in ZEROED:
+        yield
+        return
+    seen: list[int] = []
+
+    def wrap(layer: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        if seen:
+            return None
+        seen.append(1)
+        embedding, positions = kwargs["embedding"], kwargs["position_ids"]
+
+        def zeroed(**call: Any) -> Tensor:
+            out = embedding(**call)  # [s, b, h]
+            at_start = positions.t() == 0  # [s, b] of the whole (CP-local) sequence
+            if at_start.shape[0] != out.shape[0]:  # sequence parallel: this TP rank's rows
+                from megatron.core import parallel_state
+
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                at_start = at_start[rank * out.shape[0] : (rank + 1) * out.shape[0]]
+            return out.masked_fill(at_start.unsqueeze(-1), 0.0)
+
+        kwargs["embedding"] = zeroed
+        return args, kwargs
+
+    handles = [model.register_forward_pre_hook(lambda *_: seen.clear()),
+               model.mtp.layers[0].register_forward_pre_hook(wrap, with_kwargs=True, prepend=True)]
+    with removed_on_exit(handles):
         yield
 
 

@@ -11,8 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
 import mtp_hooks
-from mtp_hooks.testing import TinyGPT, hooked_train_step, make_batch
+from mtp_hooks.testing import Batch, TinyGPT, hooked_train_step, make_batch
+from mtp_hooks.testing.twins.batches import main_ce_from_logits, masked_mean
+from tests.support.mcore_cpu import needs_packed_mtp
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -97,3 +102,39 @@ def test_start_embedding_is_checked() -> None:
     with pytest.raises(mtp_hooks.MTPHooksError, match="^start_embedding: bad value"):
         mtp_hooks.attach(model, start_embedding="zero")
     assert mtp_hooks.hooks_of(model) is None
+
+
+@needs_packed_mtp
+@pytest.mark.parametrize("options", [{}, {"draft_steps": 3, "draft_inputs": "argmax", "draft_layers": "first", "draft_geometry": "engine"}],
+                         ids=["depths", "engine_first_k3_argmax"])
+def test_packed_sequences_zero_each_sequences_start(options: dict[str, Any]) -> None:
+    """THD with padding: every packed sequence's first row is zeroed, as each row of an unpacked batch. Two sequences of
+    6 tokens, each padded to 8, packed, against the same two as rows (and unlike the packed run with kept starts)."""
+    length, padded = 6, 8
+    rows = make_batch(64, batch=2, seq=length, seed=5)
+    assert rows.loss_mask is not None
+
+    def padded_rows(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.cat([t, torch.full((2, padded - length), fill, dtype=t.dtype)], 1).reshape(1, -1)
+
+    packed = Batch(padded_rows(rows.input_ids, 0), torch.arange(padded).repeat(2)[None], padded_rows(rows.labels, 0),
+                   padded_rows(rows.loss_mask, 0))
+    bounds, slots = torch.tensor([0, 6, 12], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, cu_seqlens_q_padded=slots,
+                             cu_seqlens_kv_padded=slots, max_seqlen_q=8, max_seqlen_kv=8)
+    runs = []
+    for batch, extra, start in ((rows, {}, "zeroed"), (packed, {"packed_seq_params": params}, "zeroed"),
+                                (packed, {"packed_seq_params": params}, "kept")):
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        net = ROPE.build(11)
+        with mtp_hooks.attached(net, start_embedding=start, **options) as hooks:
+            with hooks.micro_batch(labels=batch.labels, loss_mask=batch.loss_mask):
+                logits = net(*batch.model_args, **extra)
+            masked_mean(main_ce_from_logits(logits, batch.labels), batch.loss_mask).backward()
+            runs.append((hooks.metrics(), {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}))
+    (metrics, expected), (packed_metrics, got), (kept_metrics, _) = runs
+    for key in (k for k in metrics if k.endswith("/loss")):
+        assert packed_metrics[key] == pytest.approx(metrics[key], rel=1e-5), key
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert kept_metrics["mtp_1/loss"] != pytest.approx(packed_metrics["mtp_1/loss"], rel=1e-6)
