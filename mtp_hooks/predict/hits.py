@@ -65,20 +65,20 @@ def _block_steps(plan: Sequence[int], depths: int, modules: int) -> int:
 
 
 def _zero_start_embedding(layer: nn.Module) -> Any:
-    """A hook that zeroes the normed token embedding the block's call of MTP layer 1 reads at position 0 (the
-    sequences' first row: prompts of one length), as vLLM's drafters zero the embedding before that norm; the chain's
-    later calls of the layer are left alone."""
+    """A pre-hook that zeroes the token embedding the block's call of MTP layer 1 reads at position 0 (the sequences'
+    first row: prompts of one length) before its norm, as vLLM's drafters zero it (and ``attach(start_embedding=
+    "zeroed")`` trains it); the chain's later calls of the layer are left alone."""
     calls: list[int] = []
 
-    def zero(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Optional[Tensor]:
+    def zero(module: nn.Module, args: tuple[Any, ...]) -> Optional[tuple[Any, ...]]:
         calls.append(1)
         if len(calls) != 1:
             return None
-        zeroed = output.clone()
+        zeroed = args[0].clone()
         zeroed[0] = 0.0  # [s, b, h]
-        return zeroed
+        return (zeroed, *args[1:])
 
-    return layer.enorm.register_forward_hook(zero)
+    return layer.enorm.register_forward_pre_hook(zero)
 
 
 def _check(hooks: MTPHooks, mtp_input: str, geometry: str, recycle: str) -> None:

@@ -31,6 +31,9 @@ def test_engine_smoke_run_records_engine_and_prediction(vllm_imported: None, tmp
             assert all(fields["spec_equals_plain"]) and all(d > 0 for d in fields["drafts"]), (name, k)
             assert all(math.isfinite(v) for v in fields["engine_accept_len"] + fields["greedy_engine_accept_len"])
             assert all(share == 1.0 for share in fields["replay_prefix_equal"]), (name, k)
+            # what bounds the sampled measurement: the target's own argmax as the draft, and one evaluation's spread
+            ceiling = [fields[f"ceiling_accept_{j}"] for j in range(1, k + 1)] + [fields["ceiling_accept_len"]]
+            assert all(math.isfinite(v) for values in ceiling for v in values) and all(se > 0 for se in fields["accept_len_se"]), (name, k)
         one = per_k["k1"]
         for prefix in ("", "greedy_"):
             for drafts, predicted, engine, guess in zip(*(one[f"{prefix}{f}"] for f in ("drafts", "predicted_drafts", "engine_accept_1", "predicted_accept_1"))):
