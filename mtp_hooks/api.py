@@ -172,8 +172,8 @@ def attach(
             ``micro_batch(loss_scale=)``.
         engine: the rollout engine the draft is for (``mtp_hooks.profiles.vllm("0.32", family, k)``, ``sglang``,
             ``megatron``): sets ``draft_steps``, ``draft_layers``, ``draft_inputs``, ``accept_rule``,
-            ``mtp_input``, ``draft_geometry``, ``draft_recycle`` and ``start_embedding`` as that engine drafts; one of them also given
-            with another value is refused. ``predict_engine_acceptance`` takes the same profile.
+            ``mtp_input``, ``draft_geometry``, ``draft_recycle`` and ``start_embedding`` as that engine drafts; one
+            of them also given with another value is refused. ``predict_engine_acceptance`` takes the same profile.
 
     Returns:
         An ``MTPHooks`` handle (also a context manager that removes the hooks on exit).

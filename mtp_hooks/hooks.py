@@ -29,7 +29,7 @@ from mtp_hooks import _mcore
 from mtp_hooks.checks import check_label_range
 from mtp_hooks.errors import bad_argument
 from mtp_hooks.features import chain, deferral, detach, engine_geometry, logprobs, mtp_input, mtp_loss, packing
-from mtp_hooks.features import start_embedding
+from mtp_hooks.features import layer_keywords, start_embedding
 from mtp_hooks.features import tied_copy
 from mtp_hooks.head import Head
 from mtp_hooks.metrics import MTPMetrics
@@ -99,8 +99,7 @@ class ForwardHooks:
             handles.append(keep(model.mtp.register_forward_hook(self.on_mtp_block_post), "mtp"))
             handles.append(model.mtp.register_forward_pre_hook(self.on_mtp_block_pre, with_kwargs=True))
             step_layers, pre = self.plan.step_layers(model.mtp.layers), self.on_mtp_layer_pre
-            if options.detach_encoder or options.feeds_drafts or mtp_input.layer_keywords(options) \
-                    or start_embedding.wanted(options):
+            if options.feeds_drafts or layer_keywords(options):  # an option rewrites the layers' arguments
                 handles.extend(layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in step_layers)
             for norm, field in mtp_input.norms(options, model, step_layers):
                 keep_input = functools.partial(self.on_norm_pre, field)
@@ -196,8 +195,7 @@ class ForwardHooks:
         if self.options.feeds_drafts:  # the draft from the normed state handed on; detach wraps its embedding
             chain.feed_draft(self.options, fwd, fwd.chain, kwargs)
         mtp_input.on_layer_pre(self.options, fwd, fwd.before_norm, kwargs)  # the state the step reads: detach cuts it
-        if start_embedding.wanted(self.options):  # before detach's wrap: the zeroed rows carry no gradient either way
-            start_embedding.on_layer_pre(fwd, fwd.packing.layout, kwargs)
+        start_embedding.on_layer_pre(self.options, fwd, fwd.packing.layout, kwargs)  # step 1's start embedding
         if self.options.detach_encoder:
             detach.on_layer_pre(fwd, kwargs, self.options.detach_between_depths)
         fwd.mtp_layer_calls += 1

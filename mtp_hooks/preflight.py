@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from mtp_hooks import _mcore
-from mtp_hooks.features import chain, detach, mtp_input, start_embedding
+from mtp_hooks.features import chain, detach, layer_keywords
 from mtp_hooks.head import check_bias_free
 from mtp_hooks.models import check_model, find_language_model
 from mtp_hooks.options import Options
@@ -29,8 +29,6 @@ def check(model: nn.Module, options: Options) -> nn.Module:
     options.check_config(language_model.config)
     detach.check(model, options)
     check_bias_free(language_model)
-    keywords = detach.layer_keywords(options) + mtp_input.layer_keywords(options) + start_embedding.layer_keywords(options)
-    keywords = tuple(dict.fromkeys(keywords))
-    _mcore.check_call_conventions(language_model, keywords)
+    _mcore.check_call_conventions(language_model, layer_keywords(options))
     chain.check(model, options)
     return language_model

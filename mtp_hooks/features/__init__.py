@@ -32,9 +32,9 @@ The sites, in a forward's order, and who acts there:
   the call's ``packed_seq_params`` into ``Packing``;
 * decoder post-hook (an inference forward opens its window): ``tied_copy.served`` / ``keep``;
 * MTP block pre-hook (a training forward): ``packing.on_block_pre``;
-* MTP layer pre-hooks (registered where an option acts: ``install``): ``chain.feed_draft``, then
-  ``detach.on_layer_pre``; the step layer's first pre-hook and post-hook: ``chain.record_call`` /
-  ``record_output``;
+* MTP layer pre-hooks (registered where an option rewrites the layers' arguments, ``layer_keywords``):
+  ``chain.feed_draft``, ``mtp_input.on_layer_pre``, ``start_embedding.on_layer_pre``, then ``detach.on_layer_pre``;
+  the step layer's first pre-hook and post-hook: ``chain.record_call`` / ``record_output``;
 * MTP block post-hook (the training window opens): ``chain.extend``;
 * output layer pre-hook, the main head's call: ``tied_copy.serve``, ``detach.mtp_head``,
   ``mtp_loss.attach``, ``deferral.undefer_main_call``, ``logprobs.score``; its post-hook:
@@ -46,3 +46,13 @@ the verbs it needs; one line in ``preflight`` for its check, a field of ``hooks.
 state and one call at each site it acts at (with the hook's registration in ``install`` if the site
 has none yet).
 """
+
+from mtp_hooks.features import detach, mtp_input, start_embedding  # noqa: E402  (after the docstring's map)
+from mtp_hooks.options import Options  # noqa: E402
+
+
+def layer_keywords(options: Options) -> tuple[str, ...]:
+    """The MTP layers' keyword arguments the options rewrite in their pre-hooks (checked against the release at
+    ``attach``; empty: no option acts there but the chain's own drafts)."""
+    return tuple(dict.fromkeys(detach.layer_keywords(options) + mtp_input.layer_keywords(options)
+                               + start_embedding.layer_keywords(options)))

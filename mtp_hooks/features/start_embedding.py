@@ -69,11 +69,11 @@ def starts_on_this_rank(model: nn.Module, packed: Any, rows: int) -> Optional[Te
     return torch.where(inside, local, torch.full_like(local, rows))
 
 
-def on_layer_pre(forward: Forward, packed_layout: Any, kwargs: dict[str, Any]) -> None:
-    """The block's call of MTP layer 1 in a training forward: its embedding zeroed at position 0. ``packed_layout``:
-    the block's padded packed layout (``features.packing``), ``None`` unpacked."""
+def on_layer_pre(options: Options, forward: Forward, packed_layout: Any, kwargs: dict[str, Any]) -> None:
+    """With ``"zeroed"``, the block's call of MTP layer 1 in a training forward: its embedding zeroed at position 0.
+    ``packed_layout``: the block's padded packed layout (``features.packing``), ``None`` unpacked."""
     embedding, hidden = kwargs.get("embedding"), kwargs.get("hidden_states")
-    if forward.mtp_layer_calls != 0 or embedding is None or not isinstance(hidden, Tensor):
+    if not wanted(options) or forward.mtp_layer_calls != 0 or embedding is None or not isinstance(hidden, Tensor):
         return
     # The embedding's rows on this rank are the layer's hidden states' ([s, b, h], split alike).
     starts = starts_on_this_rank(forward.model, packed_layout, hidden.shape[0])
