@@ -267,13 +267,30 @@ def _stock_accept_len(model: nn.Module, batch: Batch, temperature: float, positi
     return length
 
 
-def scenario_context_parallel_zeroed_start() -> None:
-    """``start_embedding="zeroed"`` at CP=2 against the whole sequence at CP=1 (``calculate_per_token_loss``): only CP
-    rank 0 holds position 0, so the ranks' token-weighted CE sums and gradients add up to the whole sequence's."""
+def _context_parallel_share(full: Batch) -> tuple[Any, Batch]:
+    """From here on CP = 2: the context-parallel group and this rank's share of ``full`` (16 tokens, mcore's chunks)."""
     from megatron.core import parallel_state
 
     from mtp_hooks.testing import init_parallel
 
+    init_parallel(context_parallel_size=2)
+    index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
+    local = Batch(full.input_ids[:, index], full.position_ids[:, index], full.labels[:, index], full.loss_mask[:, index])
+    return parallel_state.get_context_parallel_group(), local
+
+
+def _assert_gradients_add_up(model: nn.Module, reference_grads: dict[str, Tensor], cp_group: Any) -> None:
+    """Every gradient summed over the CP ranks equals the whole sequence's at CP = 1."""
+    for name, parameter in model.named_parameters():
+        grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.detach().clone()
+        dist.all_reduce(grad, group=cp_group)
+        ref = reference_grads.get(name, torch.zeros_like(grad))
+        torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def scenario_context_parallel_zeroed_start() -> None:
+    """``start_embedding="zeroed"`` at CP=2 against the whole sequence at CP=1 (``calculate_per_token_loss``): only CP
+    rank 0 holds position 0, so the ranks' token-weighted CE sums and gradients add up to the whole sequence's."""
     overrides = {"calculate_per_token_loss": True}
     full = make_batch(VOCAB, batch=2, seq=16, seed=6)
 
@@ -291,10 +308,7 @@ def scenario_context_parallel_zeroed_start() -> None:
     reference_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
     kept_metrics = step(_build(overrides), full, "kept")
     assert kept_metrics["mtp_1/loss"] != pytest.approx(reference_metrics["mtp_1/loss"], rel=1e-6)  # the option matters here
-    init_parallel(context_parallel_size=2)
-    cp_group = parallel_state.get_context_parallel_group()
-    index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
-    local = Batch(full.input_ids[:, index], full.position_ids[:, index], full.labels[:, index], full.loss_mask[:, index])
+    cp_group, local = _context_parallel_share(full)
     model = _build(overrides)
     metrics = step(model, local)
     for k in (1, 2):
@@ -305,11 +319,7 @@ def scenario_context_parallel_zeroed_start() -> None:
         expected = torch.tensor([ref_tokens, reference_metrics[f"mtp_{k}/loss"] * ref_tokens], dtype=torch.float64)
         torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-6, msg=lambda m: f"depth {k} (tokens, loss): {m}")
     if not _mcore.PER_TOKEN_LOSS_RESCALED:
-        for name, parameter in model.named_parameters():
-            grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.detach().clone()
-            dist.all_reduce(grad, group=cp_group)
-            ref = reference_grads.get(name, torch.zeros_like(grad))
-            torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        _assert_gradients_add_up(model, reference_grads, cp_group)
 
 
 def scenario_context_parallel_distill(
@@ -320,8 +330,6 @@ def scenario_context_parallel_distill(
     with ``gradients``, so do the gradients. Each rank's ``mtp/accept_len`` is that of its own
     positions, from stock's logits of the whole sequence (the teachers cross CP ranks)."""
     from megatron.core import parallel_state
-
-    from mtp_hooks.testing import init_parallel
 
     overrides = {"calculate_per_token_loss": True}
     full = make_batch(VOCAB, batch=2, seq=16, seed=6)
@@ -340,10 +348,7 @@ def scenario_context_parallel_distill(
     expected_len = {
         rank: _stock_accept_len(_build(overrides), full, temperature, context_parallel_positions(16, rank, 2), accept_rule) for rank in (0, 1)
     }
-    init_parallel(context_parallel_size=2)
-    cp_group = parallel_state.get_context_parallel_group()
-    index = context_parallel_positions(16, parallel_state.get_context_parallel_rank(), 2)
-    local = Batch(full.input_ids[:, index], full.position_ids[:, index], full.labels[:, index], full.loss_mask[:, index])
+    cp_group, local = _context_parallel_share(full)
     model = _build(overrides)
     metrics = step(model, local)
     for k in (1, 2):
@@ -356,11 +361,7 @@ def scenario_context_parallel_distill(
         torch.testing.assert_close(sums, expected, atol=1e-5, rtol=1e-6, msg=lambda m: f"depth {k} (tokens, {names}): {m}")
     assert metrics["mtp/accept_len"] == pytest.approx(expected_len[parallel_state.get_context_parallel_rank()], rel=1e-5, abs=1e-6)
     if gradients:
-        for name, parameter in model.named_parameters():
-            grad = torch.zeros_like(parameter) if parameter.grad is None else parameter.grad.detach().clone()
-            dist.all_reduce(grad, group=cp_group)
-            ref = reference_grads.get(name, torch.zeros_like(grad))
-            torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        _assert_gradients_add_up(model, reference_grads, cp_group)
     return metrics
 
 
