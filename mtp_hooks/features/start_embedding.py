@@ -30,21 +30,23 @@ def wanted(options: Options) -> bool:
 
 def layer_keywords(options: Options) -> tuple[str, ...]:
     """The MTP layers' keyword arguments ``on_layer_pre`` rewrites (checked against the release at ``attach``)."""
-    return ("embedding",) if wanted(options) else ()
+    return ("embedding", "hidden_states") if wanted(options) else ()
 
 
 class ZeroedStart(ForwardOnlyProxy):
-    """An embedding module whose output ``[s, b, h]`` has the rows ``starts`` (``[n]`` indices on the device; an index
-    equal to ``s`` stands for a sequence start on another rank) zeroed."""
+    """An embedding module whose output ``[s, b, h]`` has the rows ``starts`` zeroed: ``None`` for row 0, or ``[n]``
+    indices on the output's device, where an index equal to ``s`` stands for a sequence start on another rank."""
 
-    def __init__(self, embedding: Any, starts: Tensor) -> None:
+    def __init__(self, embedding: Any, starts: Optional[Tensor]) -> None:
         super().__init__(embedding)
         self._self_starts = starts
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         out = self.__wrapped__(*args, **kwargs)
+        if self._self_starts is None:
+            return torch.cat([torch.zeros_like(out[:1]), out[1:]])
         rows = torch.zeros(out.shape[0] + 1, dtype=torch.bool, device=out.device)
-        rows.scatter_(0, self._self_starts.to(out.device), True)
+        rows.scatter_(0, self._self_starts, True)
         return out.masked_fill(rows[:-1].view(-1, *([1] * (out.dim() - 1))), 0.0)
 
 
@@ -55,27 +57,28 @@ def _sequence_parallel_rank(model: nn.Module) -> int:
     return group_rank(_mcore.tp_group_of(model.embedding.word_embeddings))
 
 
-def starts_on_this_rank(model: nn.Module, packed: Any, rows: int) -> Optional[Tensor]:
-    """The embedding rows (``rows`` on this rank) at a sequence's position 0, ``[n]``; an index ``rows`` stands for a
-    packed sequence's start on another rank; ``None``: no sequence starts on this rank (unpacked)."""
+def starts_on_this_rank(model: nn.Module, packed: Any, rows: int) -> tuple[bool, Optional[Tensor]]:
+    """Whether a sequence may start among this rank's ``rows`` embedding rows, and where: ``None`` for row 0 of an
+    unpacked batch, else ``[n]`` row indices on the layout's device (``rows`` for a packed sequence's start on another
+    rank). Computed on the device from the layout: no host read of ``cu_seqlens``."""
     cp_group = _mcore.cp_group_of(model, packed)
     on_cp_start, tp_rank = group_rank(cp_group) == 0, _sequence_parallel_rank(model)
     if packed is None:
-        return torch.zeros(1, dtype=torch.long) if on_cp_start and tp_rank == 0 else None
+        return on_cp_start and tp_rank == 0, None
     bounds = getattr(packed, "cu_seqlens_q_padded", None)
     bounds = packed.cu_seqlens_q if bounds is None else bounds
     local = bounds[:-1].to(torch.long) // group_size(cp_group) - tp_rank * rows  # each slot's first row here
     inside = (local >= 0) & (local < rows) & on_cp_start
-    return torch.where(inside, local, torch.full_like(local, rows))
+    return on_cp_start, torch.where(inside, local, torch.full_like(local, rows))
 
 
 def on_layer_pre(options: Options, forward: Forward, packed_layout: Any, kwargs: dict[str, Any]) -> None:
     """With ``"zeroed"``, the block's call of MTP layer 1 in a training forward: its embedding zeroed at position 0.
     ``packed_layout``: the block's padded packed layout (``features.packing``), ``None`` unpacked."""
-    embedding, hidden = kwargs.get("embedding"), kwargs.get("hidden_states")
-    if not wanted(options) or forward.mtp_layer_calls != 0 or embedding is None or not isinstance(hidden, Tensor):
+    embedding = kwargs.get("embedding")
+    if not wanted(options) or forward.mtp_layer_calls != 0 or embedding is None:
         return
     # The embedding's rows on this rank are the layer's hidden states' ([s, b, h], split alike).
-    starts = starts_on_this_rank(forward.model, packed_layout, hidden.shape[0])
-    if starts is not None:
+    holds_a_start, starts = starts_on_this_rank(forward.model, packed_layout, kwargs["hidden_states"].shape[0])
+    if holds_a_start:
         kwargs["embedding"] = ZeroedStart(embedding, starts)

@@ -108,6 +108,10 @@ def draft_hits(
     _check(hooks, mtp_input, geometry, recycle)
     if start_embedding not in START_EMBEDDINGS:
         raise ValueError(f"start_embedding: expected one of {START_EMBEDDINGS}, received {start_embedding!r}")
+    zeroed_by_hooks = hooks.options.start_embedding == "zeroed"  # attach(start_embedding=): the forward zeroes it
+    if zeroed_by_hooks and start_embedding != "zeroed":
+        raise ValueError("start_embedding: the hooks zero MTP layer 1's start embedding (attach(start_embedding="
+                         f"'zeroed')), so the forward replays 'zeroed': expected that, received {start_embedding!r}")
     layers = list(model.mtp.layers)
     plan = hooks.draft_plan()
     steps, depths = len(plan), model.config.mtp_num_layers
@@ -156,7 +160,7 @@ def draft_hits(
     if mtp_input == "pre_final_norm":
         handles.append(model.decoder.final_layernorm.register_forward_pre_hook(keep_norm_input))
         handles.append(layers[0].register_forward_pre_hook(feed_before_norm, with_kwargs=True))
-    if start_embedding == "zeroed":
+    if start_embedding == "zeroed" and not zeroed_by_hooks:
         handles.append(_zero_start_embedding(layers[0]))
     try:
         with torch.enable_grad(), hooks.micro_batch(labels=labels, loss_mask=mask):

@@ -274,3 +274,23 @@ def test_zeroed_start_embedding_zeroes_layer_1s_token_embedding_at_position_0_on
     assert not torch.equal(zeroed[1], kept[1])  # it reads step 1's output, which the zero changed
     with pytest.raises(ValueError, match="start_embedding"):
         _eh_proj_inputs(model, "masked")
+
+
+def test_hooks_that_zero_the_start_are_replayed_as_they_train() -> None:
+    """Hooks attached with ``start_embedding="zeroed"`` (every vLLM profile) already zero it in the forward: MTP layer
+    1's block call reads zeros there, the hits are the prediction's own zeroing on hooks that keep it, and a replay
+    that keeps it is refused."""
+    model = em.trainer("mimo", "noisy", sigma=1.0)
+    sequences = torch.randint(2, em.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen: list[torch.Tensor] = []
+    handle = model.mtp.layers[0].eh_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    with mtp_hooks.attached(model, draft_steps=2, **RULE) as hooks:
+        expected, _ = draft_hits(model, hooks, sequences, prompt=4, start_embedding="zeroed")
+    with mtp_hooks.attached(model, draft_steps=2, start_embedding="zeroed", **RULE) as hooks:
+        hits, _ = draft_hits(model, hooks, sequences, prompt=4, start_embedding="zeroed")
+        with pytest.raises(ValueError, match="^start_embedding: the hooks zero"):
+            draft_hits(model, hooks, sequences, prompt=4)
+    handle.remove()
+    hidden = model.config.hidden_size
+    assert torch.equal(hits, expected)
+    assert torch.all(seen[2][0, :, :hidden] == 0) and torch.equal(seen[2], seen[0])  # the block's call, as the prediction's
